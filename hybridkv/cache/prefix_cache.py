@@ -1,0 +1,43 @@
+"""Cached prompts in memory, looked up by token-level longest prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.cache.prefix_index import PrefixIndex
+from hybridkv.cache.prompt import CachedPrompt
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A cached prompt sharing the first `length` tokens of the new prompt."""
+
+    cached: CachedPrompt
+    length: int
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self._entries: list[CachedPrompt] = []
+        self._index = PrefixIndex()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, cached: CachedPrompt) -> int:
+        self._entries.append(cached)
+        entry_id = len(self._entries) - 1
+        self._index.insert(cached.tokens.numpy(), entry_id)
+        return entry_id
+
+    def lookup(self, prompt: torch.Tensor) -> Hit | None:
+        """The longest cached prefix of `prompt`, leaving at least one token to compute.
+
+        The last prompt token is never taken from the cache: its logits are the answer.
+        """
+        entry_id, length = self._index.longest_match(prompt.reshape(-1)[:-1].numpy())
+        if entry_id is None:
+            return None
+        return Hit(self._entries[entry_id], length)

@@ -1,0 +1,140 @@
+"""The recovery-method protocol and the one executor every method shares.
+
+A prefix hit hands us a cached prompt that shares the new prompt's first L tokens. To resume
+there, a hybrid model needs two things, and a method is a choice for each — the same split
+vLLM makes with one cache manager per layer kind:
+
+* **attention side**: exact cached KV for tokens [0, n) (n ≤ L);
+* **linear side**: the state at some position s ≤ n — zero, or a stored checkpoint — and
+  the tokens [s, n) *replayed* through the whole model to carry it forward to n (their
+  attention KV is thrown away afterwards and the exact cached KV kept).
+
+Then [n, end) is computed normally. Every method is a `Recipe` (n, s, seed) built from the hit
+and a budget; `execute` turns any recipe into logits, so methods differ only in that choice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from hybridkv.cache import Hit, assemble_cache, set_attention
+from hybridkv.errors import HybridKVError
+from hybridkv.models import HybridModel
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A replay budget: a fraction of the matched prefix, or a token count."""
+
+    fraction: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        text = text.strip()
+        if match := re.fullmatch(r"(\d+)\s*tok(?:ens)?", text):
+            return cls(tokens=int(match.group(1)))
+        try:
+            value = float(text)
+        except ValueError:
+            raise HybridKVError(f"budget {text!r} is not a number (a fraction like 0.05, or a count like 256tok)") from None
+        if not 0.0 <= value <= 1.0:
+            raise HybridKVError(f"budget {text} is outside [0, 1] (a fraction of the matched prefix; use 256tok for a token count)")
+        return cls(fraction=value)
+
+    def tail_tokens(self, matched: int) -> int:
+        """Tokens t to replay for a matched prefix of `matched` tokens (never more than it)."""
+        if self.tokens is not None:
+            return min(self.tokens, matched)
+        return min(matched, round(self.fraction * matched))
+
+    def label(self) -> str | float:
+        return f"{self.tokens}tok" if self.tokens is not None else self.fraction
+
+    def __str__(self) -> str:
+        return str(self.label())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a method resumes a prompt from a hit.
+
+    exact_kv_tokens  n: attention KV of [0, n) comes from the cache.
+    state_position   s: linear states are known at s (s ≤ n) ...
+    state_seed       ... from a stored checkpoint at s (True) or as zero (False).
+    Tokens [s, n) are replayed for the linear states; [n, end) run as a normal prefill.
+    """
+
+    exact_kv_tokens: int
+    state_position: int
+    state_seed: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.state_position <= self.exact_kv_tokens:
+            raise ValueError(f"invalid recipe: state position {self.state_position} > KV tokens {self.exact_kv_tokens}")
+
+
+class RecoveryMethod(Protocol):
+    name: str
+    uses_budget: bool
+    uses_checkpoints: bool
+
+    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    logits: torch.Tensor  # float32 [logits_to_keep, vocab] for the last prompt positions
+    cache: DynamicCache  # ready to decode after the prompt
+    reused_tokens: int  # prompt tokens whose attention KV came from the cache
+    replayed_tokens: int  # matched-prefix tokens pushed through the model
+    recomputed_tokens: int  # prompt tokens whose attention KV was computed here
+
+
+def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
+    if hit is None:
+        return
+    if hit.length >= prompt.numel():
+        raise HybridKVError(
+            f"matched prefix ({hit.length} tokens) is not shorter than the prompt ({prompt.numel()} tokens); "
+            "at least one token must be left to compute"
+        )
+    if hit.length > len(hit.cached):
+        raise HybridKVError(f"matched prefix ({hit.length} tokens) is longer than the cached prompt ({len(hit.cached)})")
+    if not torch.equal(hit.cached.tokens[: hit.length], prompt[: hit.length]):
+        raise HybridKVError("cache mismatch: the cached prompt does not share the claimed prefix with this prompt")
+
+
+def execute(model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1) -> Outcome:
+    """Resume `prompt` from `hit` as `recipe` says and return the last positions' logits."""
+    prompt = prompt.reshape(-1)
+    check_hit(prompt, hit)
+    n, s = recipe.exact_kv_tokens, recipe.state_position
+    matched = hit.length if hit is not None else 0
+    if n > matched:
+        raise ValueError(f"recipe reuses {n} KV tokens but only {matched} are matched")
+    if logits_to_keep > prompt.numel() - n:
+        raise ValueError(f"{logits_to_keep} logits asked but only {prompt.numel() - n} positions are computed")
+    states = None
+    if recipe.state_seed:
+        states = hit.cached.checkpoints.get(s)
+        if states is None:
+            raise ValueError(f"no stored checkpoint at position {s}")
+    kv = hit.cached.kv_prefix(model, s) if hit is not None and s > 0 else None
+    cache = assemble_cache(model, kv, states)
+    if n > s:  # replay: carry the linear states from s to n, then put the exact KV back
+        model.forward(prompt[s:n], cache, start=s)
+        set_attention(cache, hit.cached.kv_prefix(model, n))
+    logits = model.forward(prompt[n:], cache, start=n, logits_to_keep=logits_to_keep)
+    return Outcome(
+        logits=logits,
+        cache=cache,
+        reused_tokens=n,
+        replayed_tokens=matched - s,
+        recomputed_tokens=prompt.numel() - n,
+    )

@@ -1,0 +1,16 @@
+"""full: recompute the whole prompt — the quality oracle and the speed baseline."""
+
+from dataclasses import dataclass
+
+from hybridkv.cache import Hit
+from hybridkv.methods.base import Budget, Recipe
+
+
+@dataclass(frozen=True)
+class Full:
+    name: str = "full"
+    uses_budget: bool = False
+    uses_checkpoints: bool = False
+
+    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+        return Recipe(exact_kv_tokens=0, state_position=0)

@@ -1,0 +1,16 @@
+"""zero-state: exact attention KV of the matched prefix; linear layers restart from zero at L."""
+
+from dataclasses import dataclass
+
+from hybridkv.cache import Hit
+from hybridkv.methods.base import Budget, Recipe
+
+
+@dataclass(frozen=True)
+class ZeroState:
+    name: str = "zero-state"
+    uses_budget: bool = False
+    uses_checkpoints: bool = False
+
+    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+        return Recipe(exact_kv_tokens=hit.length, state_position=hit.length)

@@ -1,0 +1,150 @@
+"""Load a hybrid causal LM — a built-in tiny model or a local checkpoint directory.
+
+Whatever the architecture, hybridkv talks to it through `HybridModel`: a backbone that returns
+hidden states (the transformers implementation, untouched) and an LM head applied only to the
+positions whose logits are wanted, so replayed tokens never pay for the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedConfig
+from transformers.utils import logging as hf_logging
+
+from hybridkv.errors import HybridKVError
+from hybridkv.models.describe import (
+    ModelDescription,
+    attention_flops_per_context_token,
+    count_parameters,
+    describe_cache_layers,
+)
+from hybridkv.models.tiny import TINY_MODELS
+
+# GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`.
+GLM5_MULTIMODAL = "glm5_next"
+GLM5_TEXT = "glm5_next_text"
+
+
+@dataclass
+class HybridModel:
+    name: str
+    config: PreTrainedConfig  # the text decoder's config
+    backbone: nn.Module  # input ids -> last hidden state, with a transformers cache
+    lm_head: nn.Module
+    description: ModelDescription
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: DynamicCache, start: int, logits_to_keep: int = 0) -> torch.Tensor | None:
+        """Run `tokens` (1-D, positions start, start+1, …) on top of `cache`, updating it in place.
+
+        Returns the logits of the last `logits_to_keep` positions as float32 [n, vocab], or None.
+        """
+        positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
+        hidden = self.backbone(
+            input_ids=tokens.unsqueeze(0), position_ids=positions, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        if logits_to_keep == 0:
+            return None
+        return self.lm_head(hidden[0, -logits_to_keep:]).float()
+
+
+def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    config = TINY_MODELS[name]()
+    torch.manual_seed(seed)
+    if config.model_type == GLM5_TEXT:
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        backbone = Glm5NextTextModel(config)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        backbone._init_weights(lm_head)  # the library's own initialisation for the head too
+        return config, backbone, lm_head
+    model = AutoModelForCausalLM.from_config(config)
+    return config, model.get_decoder(), model.get_output_embeddings()
+
+
+def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HybridKVError(f"{path}: no config.json (expected a transformers checkpoint directory)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as err:
+        raise HybridKVError(f"{config_file}: unreadable ({err})") from err
+    try:
+        if model_type == GLM5_MULTIMODAL:
+            from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+            full = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype)
+            del full.model.visual  # hybridkv runs the text decoder only
+            text = full.model.language_model
+            return text.config, text, full.lm_head
+        if model_type == GLM5_TEXT:
+            raise HybridKVError(
+                f"{path}: a bare glm5_next_text checkpoint has no LM head class in transformers; "
+                "save the multimodal Glm5NextForConditionalGeneration layout instead"
+            )
+        AutoConfig.from_pretrained(path)  # fails early and clearly on an unknown model_type
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except HybridKVError:
+        raise
+    except (OSError, ValueError, KeyError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HybridKVError(f"{path}: cannot load checkpoint ({first_line})") from err
+    return model.config.get_text_config(), model.get_decoder(), model.get_output_embeddings()
+
+
+def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> ModelDescription:
+    cache = DynamicCache(config=config)
+    probe = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        backbone(input_ids=probe, past_key_values=cache, use_cache=True)
+    layers = describe_cache_layers(cache, tokens_seen=probe.shape[1])
+    total, active = count_parameters(backbone, lm_head, config)
+    attention_count = sum(spec.kind in ("attention", "indexed_attention") for spec in layers)
+    return ModelDescription(
+        name=name,
+        model_type=config.model_type,
+        layers=layers,
+        parameters=total,
+        active_parameters=active,
+        attention_flops_per_context_token=attention_flops_per_context_token(config, attention_count),
+        max_attended_context=getattr(config, "index_topk", None),
+    )
+
+
+def load_model(name_or_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> HybridModel:
+    """Load a built-in tiny model by name, or a transformers checkpoint directory."""
+    hf_logging.set_verbosity_error()  # kernel-fallback notices are expected on a CPU
+    warnings.filterwarnings("ignore", module="transformers")
+    if name_or_dir in TINY_MODELS:
+        config, backbone, lm_head = _seeded_tiny(name_or_dir, seed)
+        backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)
+    elif Path(name_or_dir).is_dir():
+        config, backbone, lm_head = _from_directory(Path(name_or_dir), dtype)
+    else:
+        known = ", ".join(TINY_MODELS)
+        raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {known}")
+    backbone.eval()
+    lm_head.eval()
+    description = _describe(name_or_dir, config, backbone, lm_head)
+    if not description.linear_layers:
+        raise HybridKVError(
+            f"model {name_or_dir!r} ({config.model_type}) has no linear-attention or state-space layers; "
+            "hybridkv is for hybrid models (a plain transformer's prefix cache needs no state recovery)"
+        )
+    if not description.attention_layers:
+        raise HybridKVError(f"model {name_or_dir!r} ({config.model_type}) has no attention layers to cache")
+    return HybridModel(name_or_dir, config, backbone, lm_head, description)
