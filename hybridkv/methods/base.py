@@ -42,9 +42,13 @@ class Budget:
         try:
             value = float(text)
         except ValueError:
-            raise HybridKVError(f"budget {text!r} is not a number (a fraction like 0.05, or a count like 256tok)") from None
+            raise HybridKVError(
+                f"budget {text!r} is not a number (a fraction like 0.05, or a count like 256tok)"
+            ) from None
         if not 0.0 <= value <= 1.0:
-            raise HybridKVError(f"budget {text} is outside [0, 1] (a fraction of the matched prefix; use 256tok for a token count)")
+            raise HybridKVError(
+                f"budget {text} is outside [0, 1] (a fraction of the matched prefix; use 256tok for a token count)"
+            )
         return cls(fraction=value)
 
     def tail_tokens(self, matched: int) -> int:
@@ -105,12 +109,16 @@ def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
             "at least one token must be left to compute"
         )
     if hit.length > len(hit.cached):
-        raise HybridKVError(f"matched prefix ({hit.length} tokens) is longer than the cached prompt ({len(hit.cached)})")
+        raise HybridKVError(
+            f"matched prefix ({hit.length} tokens) is longer than the cached prompt ({len(hit.cached)})"
+        )
     if not torch.equal(hit.cached.tokens[: hit.length], prompt[: hit.length]):
         raise HybridKVError("cache mismatch: the cached prompt does not share the claimed prefix with this prompt")
 
 
-def execute(model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1) -> Outcome:
+def execute(
+    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1
+) -> Outcome:
     """Resume `prompt` from `hit` as `recipe` says and return the last positions' logits."""
     prompt = prompt.reshape(-1)
     check_hit(prompt, hit)

@@ -47,7 +47,9 @@ class HybridModel:
         return self.lm_head.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: DynamicCache, start: int, logits_to_keep: int = 0) -> torch.Tensor | None:
+    def forward(
+        self, tokens: torch.Tensor, cache: DynamicCache, start: int, logits_to_keep: int = 0
+    ) -> torch.Tensor | None:
         """Run `tokens` (1-D, positions start, start+1, …) on top of `cache`, updating it in place.
 
         Returns the logits of the last `logits_to_keep` positions as float32 [n, vocab], or None.

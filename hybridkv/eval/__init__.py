@@ -1,0 +1,1 @@
+"""Workloads, fidelity metrics and the runners that measure methods against full prefill."""
