@@ -52,9 +52,7 @@ class CachedPrompt:
             raise ValueError(f"prefix of {n} tokens asked from a cached prompt of {len(self)}")
         kinds = {spec.index: spec.kind for spec in model.description.layers}
         return {
-            layer: {
-                name: t.narrow(dim, 0, n) for name, dim in token_tensors(kinds[layer]).items() for t in [tensors[name]]
-            }
+            layer: {name: tensors[name].narrow(dim, 0, n) for name, dim in token_tensors(kinds[layer]).items()}
             for layer, tensors in self.attention.items()
         }
 

@@ -27,7 +27,7 @@ from hybridkv.cache import PrefixCache, capture_prompt
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
-from hybridkv.methods import Budget, RecoveryMethod, execute, get_method
+from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute, get_method
 from hybridkv.methods.full import Full
 from hybridkv.models import DEFAULT_MODEL, HybridModel
 
@@ -38,16 +38,7 @@ class ValidateConfig:
     prefix_lengths: list[int] = field(default_factory=lambda: [1000, 2048])
     suffix_length: int = 64
     budgets: list[Budget] = field(default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)])
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "full",
-            "zero-state",
-            "checkpoint",
-            "tail-replay",
-            "tail-replay-recompute",
-            "seeded-replay",
-        ]
-    )
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
     checkpoint_interval: int | None = 384
     seed: int = 0
     repeats: int = 3
