@@ -127,7 +127,11 @@ def validate_prefix(
     split_cache = model.new_cache()
     model.forward(prompt[:prefix_length], split_cache, start=0)
     split_logits = model.forward(prompt[prefix_length:], split_cache, start=prefix_length, logits_to_keep=suffix)
-    split_kl, split_top1 = kl_mean(reference.logits, split_logits), top1_agreement(reference.logits, split_logits)
+    split_noise = {
+        "split_noise_kl": kl_mean(reference.logits, split_logits),
+        "split_noise_top1": top1_agreement(reference.logits, split_logits),
+        "split_noise_max_logit_diff": float((reference.logits - split_logits).abs().max()),
+    }
     tick("reference")
 
     plan = _plan(config)
@@ -147,8 +151,7 @@ def validate_prefix(
                 "kl_mean": kl_mean(reference.logits, outcome.logits),
                 "top1_agreement": top1_agreement(reference.logits, outcome.logits),
                 "greedy_agreement": greedy_agreement(reference_greedy, greedy),
-                "split_noise_kl": split_kl,
-                "split_noise_top1": split_top1,
+                **split_noise,
                 "state_bytes": cached.state_bytes() if method.uses_checkpoints else 0,
                 "kv_bytes": 0 if method.name == "full" else cached.kv_bytes(),
                 "cache_build_s": build_s,

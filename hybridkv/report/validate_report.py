@@ -16,6 +16,7 @@ COLUMNS = [
     ("top1_agreement", "top-1", "{:.3f}"),
     ("greedy_agreement", "greedy", "{:.3f}"),
     ("split_noise_kl", "split KL", "{:.1e}"),
+    ("split_noise_max_logit_diff", "split Δlogit", "{:.1e}"),
     ("ttft_s", "TTFT ms", "{:.1f}"),
     ("full_ttft_s", "full ms", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
@@ -75,8 +76,9 @@ def render_report(results: dict) -> str:
             "",
             f"Reference: {results['reference']}. KL is mean KL(full ‖ method) in nats; top-1 is the share of "
             f"suffix positions with the same argmax; greedy is the common leading run of {config['greedy_tokens']} "
-            "greedily decoded tokens, as a fraction. `split KL` is the noise floor: the same model run as "
-            "prefix pass + suffix from an exactly kept cache, against one pass (non-zero only where transformers' "
+            "greedily decoded tokens, as a fraction. `split KL` / `split Δlogit` (largest absolute logit "
+            "difference) are the noise floor: the same model run as prefix pass + suffix from an exactly kept cache, "
+            "against one pass (non-zero only where transformers' "
             "outputs depend on how a prompt is split, e.g. glm5_next past its DSA index_topk).",
             "",
             f"TTFT: cache in hand to first-token logits, median of {config['repeats']} repeats, each method timed "

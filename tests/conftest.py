@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny models loaded once per session, and prefix-sharing workloads."""
+
+from __future__ import annotations
+
+import os
+
+# On a 2-core machine shared with other processes, OpenMP worker threads that spin while
+# waiting make every forward pass up to ~100x slower. Passive waiting must be set before
+# torch (and its OpenMP runtime) is loaded.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hybridkv.models import TINY_MODELS, load_model  # noqa: E402
+
+torch.set_num_threads(2)
+
+# Token ids drawn for test prompts stay clear of the small ids the tiny configs use as
+# pad/bos/eos tokens.
+LOW_TOKEN = 3
+
+
+class ModelCache:
+    """Loads each tiny model once (seed 0, float32) and hands the same object back."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, object] = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._models:
+            self._models[name] = load_model(name)
+        return self._models[name]
+
+
+@pytest.fixture(scope="session")
+def models() -> ModelCache:
+    return ModelCache()
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(LOW_TOKEN, vocab, (n,), generator=generator, dtype=torch.long)
+
+
+def build_workload(
+    matched: int, prompt_len: int, cached_len: int, seed: int = 0, vocab: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cached prompt C, new prompt P): identical for exactly the first `matched` tokens.
+
+    P[matched] != C[matched] whenever both exist, so the longest common prefix is `matched`.
+    """
+    if not 0 <= matched <= min(prompt_len, cached_len):
+        raise ValueError("matched prefix longer than a prompt")
+    cached = random_tokens(cached_len, seed, vocab)
+    suffix = random_tokens(prompt_len - matched, seed + 10_000, vocab)
+    prompt = torch.cat([cached[:matched], suffix])
+    if matched < min(prompt_len, cached_len) and prompt[matched] == cached[matched]:
+        span = vocab - LOW_TOKEN
+        prompt[matched] = LOW_TOKEN + (int(cached[matched]) - LOW_TOKEN + 1) % span
+    return cached, prompt
+
+
+@pytest.fixture(scope="session")
+def make_workload():
+    return build_workload
+
+
+@pytest.fixture(scope="session")
+def tiny_model_names() -> list[str]:
+    return list(TINY_MODELS)
