@@ -82,9 +82,12 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
     if not config_file.is_file():
         raise HybridKVError(f"{path}: no config.json (expected a transformers checkpoint directory)")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as err:
+        config_json = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HybridKVError(f"{config_file}: unreadable ({err})") from err
+    if not isinstance(config_json, dict):
+        raise HybridKVError(f"{config_file}: not a transformers config (expected a JSON object)")
+    model_type = config_json.get("model_type")
     try:
         if model_type == GLM5_MULTIMODAL:
             from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
