@@ -1,0 +1,106 @@
+"""Cache keys that mean the same thing on every process, machine and Python version.
+
+Everything is SHA-256 over explicit bytes (token ids as little-endian int64), never Python's
+`hash`. A key binds:
+
+* the **model fingerprint** — architecture, canonical config and a digest of the weights, so a
+  cache written by one model is never read by another;
+* the **tenant salt** (`cache_salt`), so one tenant's prompts never hit another's cache;
+* the tokens: a **chained hash** over C-token chunks for prefixes (the key of a prefix of p
+  tokens commits to all p tokens and their order), and a position-independent **chunk key**
+  (fingerprint + salt + the chunk's tokens only) for chunks reused at any position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.models.loader import HybridModel
+
+DIGEST_BYTES = 32
+
+
+def _sha(*parts: bytes) -> bytes:
+    digest = hashlib.sha256()
+    for part in parts:
+        # Length-prefix every part so that no two different part lists hash the same bytes.
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.digest()
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).cpu().numpy()
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def model_fingerprint(model: HybridModel) -> str:
+    """Architecture + canonical config + weights digest, as hex."""
+    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
+    weights = hashlib.sha256()
+    for module in (model.backbone, model.lm_head):
+        for name, tensor in sorted(module.state_dict().items()):
+            weights.update(name.encode())
+            weights.update(str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+            weights.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights.digest()).hex()
+
+
+class PrefixKeys:
+    """Chained prefix keys for one (model, tenant) namespace, with chunks of `chunk_tokens` tokens.
+
+    `root` commits to the model and salt; `chain[i]` commits to the first i·C tokens. The key of
+    any prefix length p extends `chain[p // C]` with the remaining p mod C tokens, so prefixes
+    of every length have keys, while computing all of them costs one pass over the tokens.
+    """
+
+    def __init__(self, fingerprint: str, salt: str = "", chunk_tokens: int = 64) -> None:
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be positive")
+        self.fingerprint = fingerprint
+        self.salt = salt
+        self.chunk_tokens = chunk_tokens
+        self.root = _sha(b"hybridkv-prefix", bytes.fromhex(fingerprint), salt.encode(), str(chunk_tokens).encode())
+
+    def chain(self, tokens) -> list[bytes]:
+        """chain[i] = key of the first i·C tokens, for every full chunk (chain[0] is the root)."""
+        data = token_bytes(tokens)
+        step = self.chunk_tokens * 8
+        keys = [self.root]
+        for start in range(0, len(data) - step + 1, step):
+            keys.append(_sha(b"chunk", keys[-1], data[start : start + step]))
+        return keys
+
+    def prefix(self, tokens, length: int, chain: list[bytes] | None = None) -> bytes:
+        """Key of tokens[:length]."""
+        chain = chain if chain is not None else self.chain(tokens[:length])
+        full = length // self.chunk_tokens
+        rest = token_bytes(tokens[full * self.chunk_tokens : length])
+        return chain[full] if not rest else _sha(b"partial", chain[full], rest)
+
+    def chunk(self, tokens) -> bytes:
+        """Position-independent key of a chunk: the same tokens anywhere give the same key."""
+        return _sha(b"hybridkv-chunk", bytes.fromhex(self.fingerprint), self.salt.encode(), token_bytes(tokens))
+
+
+def kv_chunk_key(chain_key: bytes, first_token: int) -> str:
+    """Where the KV chunk that starts after prefix `chain_key` with `first_token` lives.
+
+    Keyed by what a reader already knows — the exact prefix before the chunk and the chunk's
+    first token — so a prompt that diverges *inside* the chunk still finds it, compares the
+    tokens stored in it, and reuses the KV up to the exact differing token. Two cached prompts
+    that agree on both but differ later in the chunk share the slot; the later write wins and
+    the other loses reuse there, never correctness (tokens are always compared).
+    """
+    return _sha(b"kv", chain_key, token_bytes([first_token])).hex()
+
+
+def state_key(prefix_key: bytes) -> str:
+    """Where the linear-state checkpoint after exactly the prefix `prefix_key` lives."""
+    return _sha(b"state", prefix_key).hex()

@@ -1,0 +1,177 @@
+"""A prefix cache whose bytes live in a store, shared by every process that opens the same URL.
+
+Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's
+tokens) and one per linear-state checkpoint. Looking a prompt up walks its chunks through the
+store: each chunk is found by the exact prefix before it and its first token, its stored tokens
+are compared with the prompt's, and the walk stops at the first differing token — a
+token-level match that needs no shared index. Anything missing, unreadable or failing
+verification ends the walk there: the hit gets shorter and the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates
+from hybridkv.models.describe import token_tensors
+from hybridkv.models.loader import HybridModel
+from hybridkv.store.codec import CorruptEntry, Entry, decode, encode
+from hybridkv.store.guarded import GuardedStore
+
+DEFAULT_CHUNK_TOKENS = 64
+
+
+class StoredPrefixCache:
+    def __init__(
+        self,
+        model: HybridModel,
+        store: GuardedStore,
+        salt: str = "",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        checkpoint_interval: int | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.fingerprint = fingerprint or model_fingerprint(model)
+        self.keys = PrefixKeys(self.fingerprint, salt, chunk_tokens)
+        self.checkpoint_interval = checkpoint_interval
+        self._dims = {
+            spec.index: token_tensors(spec.kind)
+            for spec in model.description.layers
+            if spec.kind in ("attention", "indexed_attention")
+        }
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def add(self, cached: CachedPrompt) -> int:
+        """Write a cached prompt's KV chunks and checkpoints; returns how many writes succeeded."""
+        tokens = cached.tokens
+        chain = self.keys.chain(tokens)
+        size = self.keys.chunk_tokens
+        written = 0
+        for index, start in enumerate(range(0, len(tokens), size)):
+            end = min(start + size, len(tokens))
+            key = kv_chunk_key(chain[index], int(tokens[start]))
+            tensors = {
+                f"{layer}.{name}": cached.attention[layer][name].narrow(dim, start, end - start)
+                for layer, dims in self._dims.items()
+                for name, dim in dims.items()
+            }
+            meta = {"start": start, "tokens": tokens[start:end].tolist()}
+            written += self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors)))
+        for position, states in cached.checkpoints.items():
+            key = state_key(self.keys.prefix(tokens, position, chain))
+            tensors = {}
+            for layer, state in states.items():
+                tensors[f"{layer}.conv"], tensors[f"{layer}.recurrent"] = state.conv, state.recurrent
+            written += self.store.put(
+                key, encode(Entry("state", self.fingerprint, key, {"position": position}, tensors))
+            )
+        return written
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _read(self, key: str, kind: str) -> Entry | None:
+        data = self.store.get(key)
+        if data is None:
+            return None
+        try:
+            entry = decode(data, key=key, fingerprint=self.fingerprint)
+            if entry.kind != kind:
+                raise CorruptEntry(f"expected a {kind} entry, found {entry.kind}")
+            return entry
+        except CorruptEntry as err:
+            self.store.corrupt(key, str(err))
+            return None
+
+    def _kv_chunk(self, key: str) -> tuple[list[int], dict[int, dict[str, torch.Tensor]]] | None:
+        entry = self._read(key, "kv")
+        if entry is None:
+            return None
+        tokens = entry.meta.get("tokens")
+        try:
+            layers = {
+                layer: {name: entry.tensors[f"{layer}.{name}"] for name in dims} for layer, dims in self._dims.items()
+            }
+            consistent = isinstance(tokens, list) and all(
+                layers[layer][name].shape[dim] == len(tokens)
+                for layer, dims in self._dims.items()
+                for name, dim in dims.items()
+            )
+        except KeyError:
+            consistent = False
+        if not consistent:
+            self.store.corrupt(key, "tensors do not match this model's attention layout or the chunk's tokens")
+            return None
+        return tokens, layers
+
+    def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
+        key = state_key(self.keys.prefix(prompt, position, chain))
+        entry = self._read(key, "state")
+        if entry is None:
+            return None
+        try:
+            states = {
+                spec.index: LinearState(entry.tensors[f"{spec.index}.conv"], entry.tensors[f"{spec.index}.recurrent"])
+                for spec in self.model.description.layers
+                if spec.kind == "linear"
+            }
+            consistent = all(
+                tuple(states[spec.index].conv.shape) == spec.conv_shape
+                and tuple(states[spec.index].recurrent.shape) == spec.recurrent_shape
+                for spec in self.model.description.layers
+                if spec.kind == "linear"
+            )
+        except KeyError:
+            consistent = False
+        if not consistent:
+            self.store.corrupt(key, "states do not match this model's linear layers")
+            return None
+        return states
+
+    def lookup(self, prompt: torch.Tensor) -> Hit | None:
+        """The longest stored prefix of `prompt` (never its last token), with the checkpoint at or before it."""
+        prompt = prompt.reshape(-1)
+        limit = prompt.numel() - 1
+        wanted = prompt[:limit].numpy()
+        chain = self.keys.chain(prompt[:limit])
+        size = self.keys.chunk_tokens
+        chunk_tokens: list[list[int]] = []
+        chunk_layers: list[dict[int, dict[str, torch.Tensor]]] = []
+        matched = 0
+        for index, start in enumerate(range(0, limit, size)):
+            found = self._kv_chunk(kv_chunk_key(chain[index], int(prompt[start])))
+            if found is None:
+                break
+            tokens, layers = found
+            stored = np.asarray(tokens, dtype=np.int64)
+            ours = wanted[start : start + len(stored)]
+            differ = np.flatnonzero(stored[: len(ours)] != ours)
+            common = int(differ[0]) if len(differ) else len(ours)
+            if common == 0:
+                break
+            chunk_tokens.append(tokens)
+            chunk_layers.append(layers)
+            matched = start + common
+            if common < size:
+                break
+        if matched == 0:
+            return None
+        attention = {
+            layer: {
+                name: torch.cat([chunk[layer][name] for chunk in chunk_layers], dim=dim) for name, dim in dims.items()
+            }
+            for layer, dims in self._dims.items()
+        }
+        checkpoints = {}
+        if self.checkpoint_interval:
+            position = matched // self.checkpoint_interval * self.checkpoint_interval
+            states = self._checkpoint(prompt, position, chain) if position > 0 else None
+            if states is not None:
+                checkpoints[position] = states
+        tokens = torch.tensor([t for chunk in chunk_tokens for t in chunk], dtype=torch.long)
+        return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval), matched)

@@ -1,0 +1,57 @@
+"""Byte stores behind one small interface, chosen by URL (as LMCache chooses its backends).
+
+memory://[?capacity=BYTES]     in-process LRU with a byte budget
+file:///path                   one file per entry, atomic writes, survives restarts
+redis://host:port[/db]         a shared Redis server
+valkey://host:port[/db]        a shared Valkey server (same protocol)
+lmcache://…                    LMCache's own storage layer (see hybridkv/store/lmcache_store.py)
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlparse
+
+from hybridkv.errors import HybridKVError
+from hybridkv.store.base import Store, StoreError
+from hybridkv.store.guarded import GuardedStore
+
+SCHEMES = ("memory", "file", "redis", "valkey", "lmcache")
+
+
+def open_store(url: str) -> Store:
+    """The backend a URL names. Raises HybridKVError for a malformed or unknown URL."""
+    parsed = urlparse(url)
+    scheme = parsed.scheme
+    if scheme == "memory":
+        from hybridkv.store.memory import DEFAULT_CAPACITY, MemoryStore
+
+        query = parse_qs(parsed.query)
+        try:
+            capacity = int(query.get("capacity", [DEFAULT_CAPACITY])[0])
+            return MemoryStore(capacity, url=url)
+        except ValueError as err:
+            raise HybridKVError(f"store {url!r}: capacity must be a positive byte count") from err
+    if scheme == "file":
+        from hybridkv.store.file import FileStore
+
+        path = (parsed.netloc + parsed.path) if parsed.netloc not in ("", "localhost") else parsed.path
+        if not path:
+            raise HybridKVError(f"store {url!r}: a file store needs a directory, e.g. file:///tmp/hybridkv")
+        try:
+            return FileStore(path, url=url)
+        except StoreError as err:
+            raise HybridKVError(f"store {url!r}: {err}") from err
+    if scheme in ("redis", "valkey"):
+        from hybridkv.store.redis_store import RedisStore
+
+        if not parsed.hostname:
+            raise HybridKVError(f"store {url!r}: needs a host, e.g. {scheme}://127.0.0.1:6379")
+        return RedisStore(url)
+    if scheme == "lmcache":
+        from hybridkv.store.lmcache_store import LMCacheStore
+
+        return LMCacheStore(url)
+    raise HybridKVError(f"unknown store URL {url!r}; use one of: {', '.join(s + '://' for s in SCHEMES)}")
+
+
+__all__ = ["SCHEMES", "GuardedStore", "Store", "StoreError", "open_store"]

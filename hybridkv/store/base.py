@@ -1,0 +1,29 @@
+"""The store interface: opaque bytes under string keys. Backends know nothing of models."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """A backend could not do what was asked (down, timed out, full, refused)."""
+
+
+class Store(Protocol):
+    url: str
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes under `key`, or None if absent. Raises StoreError when the backend fails."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store `data` under `key`, replacing what was there. Raises StoreError when it cannot."""
+
+    def delete(self, key: str) -> None: ...
+
+    def stats(self) -> dict:
+        """Entry count and bytes held, where the backend can tell."""
+
+    def clear(self) -> int:
+        """Remove every hybridkv entry; returns how many were removed."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,79 @@
+"""A store that never raises into the request path.
+
+Every backend failure — down, timed out, full — becomes a miss (for reads) or a dropped write,
+is counted, and is logged once per kind of failure. After a failure the backend is left alone
+for `retry_after_s`, so a dead server costs one timeout, not one per chunk of every request.
+The caller then recomputes: a failing store costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from hybridkv.store.base import Store, StoreError
+
+log = logging.getLogger("hybridkv.store")
+
+
+class GuardedStore:
+    def __init__(self, inner: Store, retry_after_s: float = 5.0) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.retry_after_s = retry_after_s
+        self.counts: Counter[str] = Counter()
+        self._down_until = 0.0
+        self._logged: set[str] = set()
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("%s: %s (further %s events are counted, not logged)", self.url, message, kind)
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, kind: str, err: Exception) -> None:
+        self.counts[kind] += 1
+        self._down_until = time.monotonic() + self.retry_after_s
+        self._log_once(kind, f"{err}; treating as a miss and recomputing")
+
+    def get(self, key: str) -> bytes | None:
+        if not self._available():
+            self.counts["skipped_while_down"] += 1
+            return None
+        try:
+            data = self.inner.get(key)
+        except (StoreError, OSError) as err:
+            self._failed("get_errors", err)
+            return None
+        self.counts["hits" if data is not None else "misses"] += 1
+        return data
+
+    def put(self, key: str, data: bytes) -> bool:
+        if not self._available():
+            self.counts["skipped_while_down"] += 1
+            return False
+        try:
+            self.inner.put(key, data)
+        except (StoreError, OSError) as err:
+            self._failed("put_errors", err)
+            return False
+        self.counts["puts"] += 1
+        return True
+
+    def delete(self, key: str) -> None:
+        try:
+            self.inner.delete(key)
+        except (StoreError, OSError) as err:
+            self._failed("delete_errors", err)
+
+    def corrupt(self, key: str, reason: str) -> None:
+        """An entry failed verification: count it, log it once, and remove it."""
+        self.counts["corrupt"] += 1
+        self._log_once("corrupt", f"entry {key[:16]}… rejected ({reason}); removed")
+        self.delete(key)
+
+    def stats(self) -> dict:
+        return dict(self.counts)

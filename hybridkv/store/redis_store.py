@@ -1,0 +1,65 @@
+"""redis://host:port[/db] and valkey://host:port[/db] — a shared server; the distributed case.
+
+Several processes and machines share one cache through it. Every call has a socket timeout, so
+a slow or dead server costs a bounded wait and surfaces as StoreError, never as a hang.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import redis
+
+from hybridkv.store.base import StoreError
+
+NAMESPACE = "hybridkv:"
+DEFAULT_TIMEOUT_S = 1.0
+
+
+class RedisStore:
+    def __init__(self, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        parsed = urlparse(url)
+        self.url = url
+        db = int(parsed.path.strip("/") or 0)
+        self._client = redis.Redis(
+            host=parsed.hostname or "127.0.0.1",
+            port=parsed.port or 6379,
+            db=db,
+            password=parsed.password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+        )
+
+    def _call(self, operation, *args):
+        try:
+            return operation(*args)
+        except redis.RedisError as err:
+            raise StoreError(f"{self.url}: {type(err).__name__}: {err}") from err
+
+    def get(self, key: str) -> bytes | None:
+        return self._call(self._client.get, NAMESPACE + key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(self._client.set, NAMESPACE + key, data)
+
+    def delete(self, key: str) -> None:
+        self._call(self._client.delete, NAMESPACE + key)
+
+    def _keys(self) -> list[bytes]:
+        return self._call(lambda: list(self._client.scan_iter(match=NAMESPACE + "*", count=1000)))
+
+    def stats(self) -> dict:
+        keys = self._keys()
+        sizes = [self._call(self._client.strlen, key) for key in keys]
+        memory = self._call(self._client.info, "memory")
+        return {"entries": len(keys), "bytes": sum(sizes), "server_used_memory": memory.get("used_memory")}
+
+    def clear(self) -> int:
+        keys = self._keys()
+        for start in range(0, len(keys), 1000):
+            self._call(self._client.delete, *keys[start : start + 1000])
+        return len(keys)
+
+    def close(self) -> None:
+        self._client.close()
