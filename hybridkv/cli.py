@@ -55,8 +55,23 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--repeats", type=int, default=3, help="timing repeats (TTFT is the median)")
     validate.add_argument("--greedy-tokens", type=int, default=16, help="G, tokens of greedy continuation compared")
     validate.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    validate.add_argument(
+        "--store",
+        default=None,
+        help="put the cached prompt through this store and serve the hit from it: memory://, file:///DIR, "
+        "redis://HOST:PORT, valkey://HOST:PORT, lmcache://… (default: keep it in this process)",
+    )
+    validate.add_argument("--cache-salt", default="", help="tenant salt: prompts of one salt never hit another's")
     validate.add_argument("--out", type=Path, default=Path("out/validate"), help="output directory")
     validate.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    store = commands.add_parser(
+        "store",
+        help="inspect or empty a store",
+        description="Entry count and bytes of a store, or remove every hybridkv entry from it.",
+    )
+    store.add_argument("action", choices=["stats", "clear"])
+    store.add_argument("--store", required=True, help="store URL, as for validate --store")
     return parser
 
 
@@ -80,13 +95,35 @@ def _validate(args: argparse.Namespace) -> None:
         seed=args.seed,
         repeats=args.repeats,
         greedy_tokens=args.greedy_tokens,
+        store=args.store,
+        cache_salt=args.cache_salt,
     )
     config.check()
     model = load_model(args.model, seed=args.seed)
     results = run_validate(model, config, show_progress=not args.no_progress)
     print(format_table(results["rows"]))
+    if results["store"] is not None:
+        events = ", ".join(f"{k} {v}" for k, v in sorted(results["store"]["events"].items())) or "none"
+        print(f"\nstore {results['store']['url']}: {events}")
     json_path, md_path = write_outputs(results, args.out)
     print(f"\nwrote {json_path} and {md_path}")
+
+
+def _store(args: argparse.Namespace) -> None:
+    import json
+
+    from hybridkv.store import StoreError, open_store
+
+    store = open_store(args.store)
+    try:
+        if args.action == "stats":
+            print(json.dumps({"url": args.store, **store.stats()}, indent=2))
+        else:
+            print(f"removed {store.clear()} entries from {args.store}")
+    except StoreError as err:
+        raise HybridKVError(str(err)) from err
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "validate":
             _validate(args)
+        elif args.command == "store":
+            _store(args)
     except HybridKVError as err:
         print(f"hybridkv: error: {err}", file=sys.stderr)
         return 2

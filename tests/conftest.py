@@ -69,3 +69,73 @@ def make_workload():
 @pytest.fixture(scope="session")
 def tiny_model_names() -> list[str]:
     return list(TINY_MODELS)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, owned by the test session."""
+
+    def __init__(self, *extra: str) -> None:
+        import shutil
+        import subprocess
+        import time
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)")
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_factory():
+    """Start extra servers (e.g. one to kill, or one with a memory limit); all are killed afterwards."""
+    servers = []
+
+    def start(*extra: str) -> RedisServer:
+        servers.append(RedisServer(*extra))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.kill()

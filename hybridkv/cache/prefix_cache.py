@@ -17,6 +17,11 @@ class Hit:
     cached: CachedPrompt
     length: int
 
+    @classmethod
+    def miss(cls) -> Hit:
+        """No usable prefix: every method then recomputes the whole prompt."""
+        return cls(CachedPrompt(torch.empty(0, dtype=torch.long), {}), 0)
+
 
 class PrefixCache:
     def __init__(self) -> None:

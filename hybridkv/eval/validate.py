@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from hybridkv.cache import PrefixCache, capture_prompt
+from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute, get_method
 from hybridkv.methods.full import Full
 from hybridkv.models import DEFAULT_MODEL, HybridModel
+from hybridkv.store import GuardedStore, open_store
 
 
 @dataclass
@@ -43,6 +45,8 @@ class ValidateConfig:
     seed: int = 0
     repeats: int = 3
     greedy_tokens: int = 16
+    store: str | None = None  # a store URL; None keeps cached prompts in this process only
+    cache_salt: str = ""
 
     def check(self, model: HybridModel | None = None) -> None:
         if not self.prefix_lengths or any(length < 1 for length in self.prefix_lengths):
@@ -55,6 +59,8 @@ class ValidateConfig:
             raise HybridKVError("repeats and greedy tokens must be at least 1")
         for name in self.methods:
             get_method(name)
+        if self.store:
+            open_store(self.store).close()  # a malformed or unknown URL fails here, before any work
         if model is not None:
             limit = getattr(model.config, "max_position_embeddings", None)
             longest = max(self.prefix_lengths) + self.suffix_length + self.greedy_tokens
@@ -97,9 +103,17 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def validate_prefix(
-    model: HybridModel, config: ValidateConfig, prefix_length: int, progress: tqdm | None = None
+    model: HybridModel,
+    config: ValidateConfig,
+    prefix_length: int,
+    progress: tqdm | None = None,
+    stored: StoredPrefixCache | None = None,
 ) -> list[dict]:
-    """All rows for one matched prefix length."""
+    """All rows for one matched prefix length.
+
+    With `stored`, the cached prompt goes through that store and the hit is whatever comes back:
+    a store that fails mid-run shortens or loses the hit, and the methods recompute the rest.
+    """
 
     def tick(label: str) -> None:
         if progress is not None:
@@ -111,10 +125,11 @@ def validate_prefix(
     started = time.perf_counter()
     cached = capture_prompt(model, work.cached_prompt, config.checkpoint_interval)
     build_s = time.perf_counter() - started
-    store = PrefixCache()
-    store.add(cached)
-    hit = store.lookup(prompt)
-    assert hit is not None and hit.length == prefix_length, "workload prompts must share exactly L tokens"
+    prefix_cache = stored if stored is not None else PrefixCache()
+    prefix_cache.add(cached)
+    hit = prefix_cache.lookup(prompt) or Hit.miss()
+    if stored is None:
+        assert hit.length == prefix_length, "workload prompts must share exactly L tokens"
     tick("cache built")
 
     # Reference: one pass over the whole prompt from an empty cache.
@@ -145,6 +160,7 @@ def validate_prefix(
                 "budget": budget.label() if budget is not None else None,
                 "prefix_length": prefix_length,
                 "suffix_length": suffix,
+                "matched_length": hit.length,
                 "reused_tokens": outcome.reused_tokens,
                 "replayed_tokens": outcome.replayed_tokens,
                 "recomputed_tokens": outcome.recomputed_tokens,
@@ -185,11 +201,21 @@ def steps_per_prefix(config: ValidateConfig) -> int:
 def run_validate(model: HybridModel, config: ValidateConfig, show_progress: bool = True) -> dict:
     config.check(model)
     torch.manual_seed(config.seed)
+    store = GuardedStore(open_store(config.store)) if config.store else None
+    stored = (
+        StoredPrefixCache(model, store, config.cache_salt, checkpoint_interval=config.checkpoint_interval)
+        if store is not None
+        else None
+    )
     total = steps_per_prefix(config) * len(config.prefix_lengths)
     rows: list[dict] = []
-    with tqdm(total=total, desc="validate", disable=not show_progress, leave=False) as progress:
-        for length in config.prefix_lengths:
-            rows.extend(validate_prefix(model, config, length, progress))
+    try:
+        with tqdm(total=total, desc="validate", disable=not show_progress, leave=False) as progress:
+            for length in config.prefix_lengths:
+                rows.extend(validate_prefix(model, config, length, progress, stored))
+    finally:
+        if store is not None:
+            store.inner.close()
     return {
         "model": model.description.as_dict(),
         "config": {
@@ -205,5 +231,6 @@ def run_validate(model: HybridModel, config: ValidateConfig, show_progress: bool
         },
         "reference": "full prefill of the new prompt in one pass from an empty cache; "
         "fidelity over the suffix positions",
+        "store": {"url": config.store, "events": store.stats()} if store is not None else None,
         "rows": rows,
     }
