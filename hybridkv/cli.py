@@ -65,13 +65,25 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--out", type=Path, default=Path("out/validate"), help="output directory")
     validate.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    store = commands.add_parser(
-        "store",
-        help="inspect or empty a store",
-        description="Entry count and bytes of a store, or remove every hybridkv entry from it.",
+    store = commands.add_parser("store", help="inspect, empty or benchmark a store")
+    actions = store.add_subparsers(dest="action", required=True)
+    for action, text in (("stats", "entry count and bytes held"), ("clear", "remove every hybridkv entry")):
+        sub = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + " of a store.")
+        sub.add_argument("--store", required=True, help="store URL, as for validate --store")
+    bench = actions.add_parser(
+        "bench",
+        help="put/get latency and throughput per store backend, for GLM-5.3-Flash-sized entries",
+        description=(
+            "Times puts and gets of GLM-5.3-Flash-sized entries (a 256-token KV chunk of its 11 attention "
+            "layers, one KDA layer's state, one whole 34-layer state checkpoint) on each store, one request at "
+            "a time, beside the hybridkv codec's own cost and, for redis/valkey, redis-benchmark on the same "
+            "server. Writes OUT/store_bench.json."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    store.add_argument("action", choices=["stats", "clear"])
-    store.add_argument("--store", required=True, help="store URL, as for validate --store")
+    bench.add_argument("--store", action="append", required=True, help="store URL; repeat for several backends")
+    bench.add_argument("--repeats", type=int, default=20, help="operations per entry size (the checkpoint: 1/5)")
+    bench.add_argument("--out", type=Path, default=Path("out/store-bench"), help="output directory")
     return parser
 
 
@@ -126,11 +138,35 @@ def _store(args: argparse.Namespace) -> None:
         store.close()
 
 
+def _store_bench(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from hybridkv.eval.store_bench import format_bench_table, glm5_entry_sizes, run_store_bench
+    from hybridkv.store import StoreError
+
+    if args.repeats < 1:
+        raise HybridKVError("repeats must be at least 1")
+    sizes = glm5_entry_sizes(args.repeats)
+    with tqdm(total=len(sizes) * (1 + len(args.store)), desc="store-bench", leave=False) as progress:
+        try:
+            rows = run_store_bench(args.store, sizes, progress)
+        except StoreError as err:
+            raise HybridKVError(str(err)) from err
+    print(format_bench_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "store_bench.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out / 'store_bench.json'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "validate":
             _validate(args)
+        elif args.command == "store" and args.action == "bench":
+            _store_bench(args)
         elif args.command == "store":
             _store(args)
     except HybridKVError as err:
