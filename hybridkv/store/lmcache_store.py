@@ -139,6 +139,9 @@ class LMCacheStore:
                 return
             from lmcache.v1.memory_management import MemoryFormat
 
+            if self.scheme != "lm" and self._backend.contains(lmkey):
+                self._backend.remove(lmkey)  # LMCache keeps the first value; the Store contract replaces
+
             if not 0 < len(data) <= self._cpu.memory_allocator.size:
                 raise MemoryError(f"entry of {len(data)} bytes does not fit LMCache's pool ({self.pool_gib} GiB)")
             buffer = self._cpu.allocate(torch.Size([len(data)]), torch.uint8, MemoryFormat.KV_2LTD, busy_loop=False)
