@@ -88,8 +88,19 @@ def render_report(results: dict) -> str:
             "",
             format_markdown(results["rows"]),
             "",
+            *_store_lines(results.get("store")),
         ]
     )
+
+
+def _store_lines(store: dict | None) -> list[str]:
+    if store is None:
+        return ["Cache: kept in this process (no store)."]
+    events = ", ".join(f"{name} {count}" for name, count in sorted(store["events"].items())) or "none"
+    return [
+        f"Cache: through the store `{store['url']}`; the hit is what came back (`matched_length` in results.json). "
+        f"Store events: {events}."
+    ]
 
 
 def write_outputs(results: dict, out_dir: Path) -> tuple[Path, Path]:
