@@ -29,7 +29,8 @@ class GuardedStore:
     def _log_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
-            log.warning("%s: %s (further %s events are counted, not logged)", self.url, message, kind)
+            where = "" if message.startswith(self.url) else f"{self.url}: "
+            log.warning("%s%s (further %s events are counted, not logged)", where, message, kind)
 
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
