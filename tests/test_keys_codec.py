@@ -8,6 +8,7 @@ model fingerprint, the chunk size — and the same in every process, whatever PY
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -84,10 +85,15 @@ def entries(draw, views: bool = False) -> Entry:
     )
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # A fresh tensor with standard strides (`.contiguous()` keeps odd strides of size-1 dims).
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(_bits(a), _bits(b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +225,8 @@ def test_well_checksummed_garbage_header_is_corrupt_not_a_crash(header, payload)
     request path.
     """
     data = _checksummed(json.dumps(header).encode(), payload)
-    try:
+    with contextlib.suppress(CorruptEntry):
         decode(data, key="k", fingerprint="ab")
-    except CorruptEntry:
-        pass
 
 
 def test_header_with_wrong_tensor_specs_is_corrupt():

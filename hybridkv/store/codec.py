@@ -45,7 +45,9 @@ def encode(entry: Entry) -> bytes:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
             raise ValueError(f"tensor {name}: dtype {tensor.dtype} cannot be stored")
-        raw = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        # A fresh dense copy: views, 0-d tensors and odd strides all serialise the same way.
+        dense = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach().cpu())
+        raw = dense.reshape(-1).view(torch.uint8).numpy().tobytes()
         specs.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": len(raw)})
         chunks.append(raw)
         offset += len(raw)
@@ -73,6 +75,8 @@ def decode(data: bytes, *, key: str, fingerprint: str) -> Entry:
         header = json.loads(body[_PREFIX.size : _PREFIX.size + header_length])
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CorruptEntry(f"unreadable header ({err})") from err
+    if not isinstance(header, dict):
+        raise CorruptEntry("header is not a JSON object")
     if header.get("fingerprint") != fingerprint:
         raise CorruptEntry("written by another model (fingerprint mismatch)")
     if header.get("key") != key:

@@ -23,7 +23,8 @@ class GuardedStore:
         self.url = inner.url
         self.retry_after_s = retry_after_s
         self.counts: Counter[str] = Counter()
-        self._down_until = 0.0
+        # A backend that is down is left alone entirely; one that refused a write (full) still serves reads.
+        self._down_until = {"get": 0.0, "put": 0.0}
         self._logged: set[str] = set()
 
     def _log_once(self, kind: str, message: str) -> None:
@@ -32,34 +33,38 @@ class GuardedStore:
             where = "" if message.startswith(self.url) else f"{self.url}: "
             log.warning("%s%s (further %s events are counted, not logged)", where, message, kind)
 
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
+    def _available(self, operation: str) -> bool:
+        return time.monotonic() >= self._down_until[operation]
 
-    def _failed(self, kind: str, err: Exception) -> None:
+    def _failed(self, kind: str, err: Exception, operation: str | None = None) -> None:
         self.counts[kind] += 1
-        self._down_until = time.monotonic() + self.retry_after_s
+        until = time.monotonic() + self.retry_after_s
+        if getattr(err, "unavailable", True):
+            self._down_until = dict.fromkeys(self._down_until, until)
+        elif operation is not None:
+            self._down_until[operation] = until
         self._log_once(kind, f"{err}; treating as a miss and recomputing")
 
     def get(self, key: str) -> bytes | None:
-        if not self._available():
+        if not self._available("get"):
             self.counts["skipped_while_down"] += 1
             return None
         try:
             data = self.inner.get(key)
         except (StoreError, OSError) as err:
-            self._failed("get_errors", err)
+            self._failed("get_errors", err, "get")
             return None
         self.counts["hits" if data is not None else "misses"] += 1
         return data
 
     def put(self, key: str, data: bytes) -> bool:
-        if not self._available():
+        if not self._available("put"):
             self.counts["skipped_while_down"] += 1
             return False
         try:
             self.inner.put(key, data)
         except (StoreError, OSError) as err:
-            self._failed("put_errors", err)
+            self._failed("put_errors", err, "put")
             return False
         self.counts["puts"] += 1
         return True
@@ -68,7 +73,7 @@ class GuardedStore:
         try:
             self.inner.delete(key)
         except (StoreError, OSError) as err:
-            self._failed("delete_errors", err)
+            self._failed("delete_errors", err, "put")
 
     def corrupt(self, key: str, reason: str) -> None:
         """An entry failed verification: count it, log it once, and remove it."""

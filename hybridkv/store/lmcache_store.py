@@ -124,8 +124,9 @@ class LMCacheStore:
         except StoreError:
             raise
         except _FAILURES as err:
-            self._broken = self.scheme in ("fs", "lm")
-            raise StoreError(f"{self.url}: {type(err).__name__}: {err}") from err
+            unavailable = not isinstance(err, MemoryError)
+            self._broken = unavailable and self.scheme in ("fs", "lm")
+            raise StoreError(f"{self.url}: {type(err).__name__}: {err}", unavailable) from err
 
     # -- Store interface ---------------------------------------------------------------------
 

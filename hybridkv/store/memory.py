@@ -27,7 +27,10 @@ class MemoryStore:
 
     def put(self, key: str, data: bytes) -> None:
         if len(data) > self.capacity_bytes:
-            raise StoreError(f"entry of {len(data)} bytes exceeds the memory store's capacity ({self.capacity_bytes})")
+            raise StoreError(
+                f"entry of {len(data)} bytes exceeds the memory store's capacity ({self.capacity_bytes})",
+                unavailable=False,
+            )
         self.delete(key)
         while self._bytes + len(data) > self.capacity_bytes:
             _, evicted = self._entries.popitem(last=False)

@@ -9,7 +9,10 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from hybridkv.errors import HybridKVError
 from hybridkv.store.base import StoreError
 
 NAMESPACE = "hybridkv:"
@@ -20,22 +23,27 @@ class RedisStore:
     def __init__(self, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         parsed = urlparse(url)
         self.url = url
-        db = int(parsed.path.strip("/") or 0)
+        try:
+            db, port = int(parsed.path.strip("/") or 0), parsed.port or 6379
+        except ValueError as err:
+            raise HybridKVError(f"store {url!r}: expected {parsed.scheme}://HOST:PORT[/DB] ({err})") from None
         self._client = redis.Redis(
             host=parsed.hostname or "127.0.0.1",
-            port=parsed.port or 6379,
+            port=port,
             db=db,
             password=parsed.password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry_on_timeout=False,
+            # redis-py retries ~10 times with backoff by default; one bounded attempt is the contract.
+            retry=Retry(NoBackoff(), 0),
         )
 
     def _call(self, operation, *args):
         try:
             return operation(*args)
         except redis.RedisError as err:
-            raise StoreError(f"{self.url}: {type(err).__name__}: {err}") from err
+            unavailable = isinstance(err, redis.ConnectionError | redis.TimeoutError)
+            raise StoreError(f"{self.url}: {type(err).__name__}: {err}", unavailable) from err
 
     def get(self, key: str) -> bytes | None:
         return self._call(self._client.get, NAMESPACE + key)
