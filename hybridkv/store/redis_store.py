@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from hybridkv.errors import HybridKVError
@@ -17,6 +18,15 @@ from hybridkv.store.base import StoreError
 
 NAMESPACE = "hybridkv:"
 DEFAULT_TIMEOUT_S = 1.0
+
+
+class _Connection(redis.Connection):
+    """hiredis parses replies (4x faster GETs of MB-sized entries), but its command packer copies
+    every value into one buffer (3x slower SETs); redis-py's own packer sends large values as
+    separate buffers. Take the best of both. (`_construct_command_packer` is redis-py 8's hook.)"""
+
+    def _construct_command_packer(self, packer):
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
 
 
 class RedisStore:
@@ -27,7 +37,8 @@ class RedisStore:
             db, port = int(parsed.path.strip("/") or 0), parsed.port or 6379
         except ValueError as err:
             raise HybridKVError(f"store {url!r}: expected {parsed.scheme}://HOST:PORT[/DB] ({err})") from None
-        self._client = redis.Redis(
+        pool = redis.ConnectionPool(
+            connection_class=_Connection,
             host=parsed.hostname or "127.0.0.1",
             port=port,
             db=db,
@@ -37,6 +48,7 @@ class RedisStore:
             # redis-py retries ~10 times with backoff by default; one bounded attempt is the contract.
             retry=Retry(NoBackoff(), 0),
         )
+        self._client = redis.Redis(connection_pool=pool)
 
     def _call(self, operation, *args):
         try:
