@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hybridkv.models import TINY_MODELS, load_model  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -71,14 +72,6 @@ def tiny_model_names() -> list[str]:
     return list(TINY_MODELS)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RedisServer:
     """A real redis-server on a free loopback port, owned by the test session."""
 
@@ -90,7 +83,7 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)")
-        self.port = _free_port()
+        self.port = free_port()
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
             stdout=subprocess.DEVNULL,

@@ -20,6 +20,7 @@ from hybridkv.cache import (
 )
 from hybridkv.methods import Budget
 from hybridkv.models import TINY_MODELS
+from tests.helpers import lcp
 
 NAMES = list(TINY_MODELS)
 
@@ -27,24 +28,15 @@ NAMES = list(TINY_MODELS)
 # PrefixIndex / PrefixCache: brute force is the oracle.
 
 
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _check_match(sequences: list[list[int]], result: tuple[int | None, int], query: list[int]) -> None:
-    best = max((_lcp(seq, query) for seq in sequences), default=0)
+    best = max((lcp(seq, query) for seq in sequences), default=0)
     entry, length = result
     assert length == best
     if best == 0:
         assert entry is None
     else:
         assert entry is not None and 0 <= entry < len(sequences)
-        assert _lcp(sequences[entry], query) == best
+        assert lcp(sequences[entry], query) == best
 
 
 _tokens = st.lists(st.integers(0, 2), max_size=10)  # 3 symbols: prefixes collide constantly
@@ -94,7 +86,7 @@ def _queries(draw, sequences):
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_prefix_index_longest_match_is_brute_force_lcp(data):
+def test_prefix_index_longest_match_is_brute_forcelcp(data):
     sequences = data.draw(_insertions())
     index = PrefixIndex()
     inserted: list[list[int]] = []
@@ -129,7 +121,7 @@ def test_prefix_cache_lookup_leaves_the_last_token(cached, prompt):
         assert store.add(entry) == i
     assert len(store) == len(cached)
     hit = store.lookup(torch.tensor(prompt, dtype=torch.long))
-    best = max(_lcp(seq, prompt[:-1]) for seq in cached)
+    best = max(lcp(seq, prompt[:-1]) for seq in cached)
     if best == 0:
         assert hit is None
         return

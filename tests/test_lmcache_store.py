@@ -17,12 +17,7 @@ from hybridkv.cache import PrefixCache, capture_prompt
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.methods import METHODS, Budget, execute
 from hybridkv.store import GuardedStore, StoreError, open_store
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.helpers import free_port
 
 
 class LMCacheServer:
@@ -32,7 +27,7 @@ class LMCacheServer:
         binary = Path(sys.executable).with_name("lmcache_server")
         if not binary.exists():
             raise RuntimeError("lmcache_server is missing: install hybridkv[lmcache] (scripts/setup.sh --test does)")
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "ERROR"}
         self.process = subprocess.Popen(
             [str(binary), "127.0.0.1", str(self.port), "cpu"], env=env,
@@ -174,7 +169,7 @@ def test_lmcache_url_errors_are_one_line():
     with pytest.raises(HybridKVError, match="must be numbers"):
         open_store("lmcache://cpu?pool_gib=lots")
     with pytest.raises(StoreError, match="cannot connect"):
-        open_store(f"lmcache://lm://127.0.0.1:{_free_port()}")
+        open_store(f"lmcache://lm://127.0.0.1:{free_port()}")
 
 
 def test_lmcache_server_binary_is_installed():

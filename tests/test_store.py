@@ -33,6 +33,7 @@ from hybridkv.models import load_model
 from hybridkv.store import GuardedStore, StoreError, open_store
 from hybridkv.store.file import FileStore
 from hybridkv.store.memory import MemoryStore
+from tests.helpers import lcp
 
 CHUNK = 64  # StoredPrefixCache's default chunk size
 INTERVAL = 64  # state checkpoint interval
@@ -438,15 +439,6 @@ def test_stored_hit_equals_in_memory_hit_and_gives_the_same_logits(reference, na
     stored.store.inner.close()
 
 
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _diverging(cached: torch.Tensor, length: int, total: int, seed: int) -> torch.Tensor:
     """A prompt of `total` tokens sharing exactly `length` tokens with `cached`."""
     generator = torch.Generator().manual_seed(seed)
@@ -504,7 +496,7 @@ def test_token_level_match_is_the_longest_common_prefix(memory_stored, length, e
         prompt = torch.randint(3, 512, (total,), generator=torch.Generator().manual_seed(seed))
         shared = min(length, CACHED_LEN, total)
         prompt[:shared] = ref.cached_tokens[:shared]
-    expected_length = _lcp(ref.cached_tokens.tolist(), prompt[:-1].tolist())
+    expected_length = lcp(ref.cached_tokens.tolist(), prompt[:-1].tolist())
     hit = stored.lookup(prompt)
     if expected_length == 0:
         assert hit is None
