@@ -1,0 +1,72 @@
+"""Tokenizers: a byte-level one that ships with the package for the built-in tiny models, and
+the checkpoint's own (transformers' AutoTokenizer) for a model directory.
+
+The byte tokenizer is lossless for any UTF-8 text: each byte b is token `b + OFFSET`, below it
+sit the special tokens. Every tiny model has a 512-token vocabulary, which holds all 256 bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from hybridkv.errors import HybridKVError
+from hybridkv.models.tiny import TINY_MODELS, TINY_VOCAB
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three special ids (0 pad, 1 bos, 2 eos)."""
+
+    OFFSET = 3
+
+    def __init__(self, vocab_size: int = TINY_VOCAB) -> None:
+        if vocab_size < 256 + self.OFFSET:
+            raise ValueError("a byte tokenizer needs a vocabulary of at least 259 ids")
+        self.name = "bytes"
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        # Ids outside the byte range (specials, or unused ids a model may still emit) are dropped.
+        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint directory's own tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise HybridKVError(f"{path}: no usable tokenizer ({str(err).splitlines()[0]})") from err
+        self.name = str(path)
+        self.vocab_size = len(self._tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(name_or_dir: str) -> Tokenizer:
+    if name_or_dir in TINY_MODELS:
+        return ByteTokenizer(TINY_MODELS[name_or_dir]().vocab_size)
+    path = Path(name_or_dir)
+    if path.is_dir():
+        return HFTokenizer(path)
+    raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {', '.join(TINY_MODELS)}")
