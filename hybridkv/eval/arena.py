@@ -1,0 +1,119 @@
+"""`hybridkv arena run`: task-level validation of methods through the contract.
+
+One row per (sample, method, budget) is appended to `results.jsonl` as soon as it is scored, so
+a killed run resumes where it stopped: rows already present (same sample id, method, budget)
+are skipped, never duplicated. Scores are recomputed from the stored predictions by
+`hybridkv arena score`, never trusted from a method.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hybridkv.eval.contract import ArenaConfig, get_arena_method
+from hybridkv.methods import Budget
+from hybridkv.models import HybridModel
+
+
+@dataclass
+class ArenaPlan:
+    workload: str
+    methods: list[str]
+    budgets: list[Budget] = field(default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)])
+
+
+def row_key(sample_id: str, method: str, budget) -> tuple[str, str, str]:
+    return sample_id, method, str(budget)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a results file; a line cut short by a kill is ignored (its sample reruns)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
+    from hybridkv.methods import METHODS
+
+    grid = []
+    for name in plan.methods:
+        uses_budget = METHODS[name].uses_budget if name in METHODS else False
+        for budget in plan.budgets if uses_budget else [None]:
+            grid.append((name, budget))
+    return grid
+
+
+def run_arena(
+    model: HybridModel,
+    tokenizer,
+    samples: Iterable,
+    plan: ArenaPlan,
+    config: ArenaConfig,
+    out_dir: Path,
+    score,
+    show_progress: bool = True,
+) -> Path:
+    """Answer every sample with every (method, budget); append scored rows to out_dir/results.jsonl."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    existing = read_rows(results)
+    # Rewrite without any torn last line, so appends start on a clean line.
+    results.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in existing))
+    done = {row_key(row["id"], row["method"], row["budget"]) for row in existing}
+    grid = method_grid(plan)
+    methods = {}
+    for name, budget in grid:
+        method = get_arena_method(name, budget)
+        method.setup(model, config)
+        methods[(name, str(budget))] = method
+    samples = list(samples)
+    todo = [(s, n, b) for s in samples for n, b in grid if row_key(s.id, n, b.label() if b else None) not in done]
+    with results.open("a") as sink, tqdm(total=len(todo), desc="arena", disable=not show_progress) as progress:
+        for sample, name, budget in todo:
+            method = methods[(name, str(budget))]
+            context = tokenizer.encode(sample.context)
+            question = tokenizer.encode(sample.question)
+            started = time.perf_counter()
+            cache = method.build_cache(context)
+            build_s = time.perf_counter() - started
+            answer = method.answer(question, [cache] if cache is not None else [], config)
+            prediction = answer.text or tokenizer.decode(answer.tokens)
+            row = {
+                "workload": plan.workload,
+                "id": sample.id,
+                "task": sample.task,
+                "length": sample.length,
+                "method": name,
+                "budget": budget.label() if budget else None,
+                "prediction": prediction,
+                "golds": sample.golds,
+                "score": score(sample.task, prediction, sample.golds),
+                "context_tokens": len(context),
+                "question_tokens": len(question),
+                "reused_tokens": answer.reused_tokens,
+                "replayed_tokens": answer.replayed_tokens,
+                "recomputed_tokens": answer.recomputed_tokens,
+                "recomputed_layer_tokens": answer.recomputed_layer_tokens,
+                "dense_layer_tokens": (len(context) + len(question)) * model.description.num_layers,
+                "kv_bytes": answer.kv_bytes,
+                "state_bytes": answer.state_bytes,
+                "ttft_s": answer.ttft_s,
+                "build_s": build_s,
+            }
+            sink.write(json.dumps(row, sort_keys=True) + "\n")
+            sink.flush()
+            progress.update()
+    return results

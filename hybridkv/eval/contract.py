@@ -1,0 +1,152 @@
+"""The arena's method contract (KVShareArena's shape) and its registry.
+
+A method is benchmarked through three calls:
+
+    setup(model, config)                 once per run
+    build_cache(source) -> handle        question-blind; its cost is reported apart
+    answer(question, caches, config)     -> Answer: the text, its tokens and cost telemetry
+
+Every recovery method of `hybridkv.methods` is offered through `RecoveryArenaMethod`, plus the
+`no-context` floor. A method living outside this project registers a factory under the entry
+point group `hybridkv.methods` (in its own pyproject: `[project.entry-points."hybridkv.methods"]
+my-method = "my_pkg.module:factory"`); the factory takes the budget (or None) and returns an
+object with the three calls. `hybridkv arena run --methods my-method` then benchmarks it
+without any edit here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+import torch
+
+from hybridkv.cache import CachedPrompt, Hit, capture_prompt
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.decode import greedy_continue
+from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute
+from hybridkv.models import HybridModel
+
+ENTRY_POINT_GROUP = "hybridkv.methods"
+
+
+@dataclass
+class ArenaConfig:
+    max_new_tokens: int = 32
+    checkpoint_interval: int | None = 384
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Answer:
+    text: str  # may be left "" by a method that only returns tokens; the runner decodes them
+    tokens: list[int]
+    ttft_s: float  # cache in hand -> first-token logits
+    reused_tokens: int = 0
+    replayed_tokens: int = 0
+    recomputed_tokens: int = 0
+    recomputed_layer_tokens: int = 0  # tokens pushed through the model × layers
+    kv_bytes: int = 0
+    state_bytes: int = 0
+
+
+class ArenaMethod(Protocol):
+    name: str
+    budget: Budget | None
+
+    def setup(self, model: HybridModel, config: ArenaConfig) -> None: ...
+
+    def build_cache(self, source: list[int]) -> Any: ...
+
+    def answer(self, question: list[int], caches: list[Any], config: ArenaConfig) -> Answer: ...
+
+
+class RecoveryArenaMethod:
+    """A prefix-reuse recovery method: the source is the cached prefix, the question follows it."""
+
+    def __init__(self, recovery: RecoveryMethod, budget: Budget | None) -> None:
+        self.recovery = recovery
+        self.budget = budget
+        self.name = recovery.name
+
+    def setup(self, model: HybridModel, config: ArenaConfig) -> None:
+        self.model = model
+        self.config = config
+
+    def build_cache(self, source: list[int]) -> CachedPrompt:
+        interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
+        return capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
+
+    def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:
+        (cached,) = caches
+        prompt = torch.cat([cached.tokens, torch.tensor(question, dtype=torch.long)])
+        hit = Hit(cached, len(cached))
+        start = time.perf_counter()
+        outcome = execute(self.model, prompt, hit, self.recovery.recipe(hit, self.budget), logits_to_keep=1)
+        ttft = time.perf_counter() - start
+        tokens = greedy_continue(self.model, outcome.cache, outcome.logits[-1], prompt.numel(), config.max_new_tokens)
+        forwarded = outcome.replayed_tokens + len(question) if outcome.reused_tokens else prompt.numel()
+        return Answer(
+            text="",
+            tokens=tokens,
+            ttft_s=ttft,
+            reused_tokens=outcome.reused_tokens,
+            replayed_tokens=outcome.replayed_tokens,
+            recomputed_tokens=outcome.recomputed_tokens,
+            recomputed_layer_tokens=forwarded * self.model.description.num_layers,
+            kv_bytes=0 if self.name == "full" else cached.kv_bytes(),
+            state_bytes=cached.state_bytes() if self.recovery.uses_checkpoints else 0,
+        )
+
+
+class NoContext:
+    """The floor: answer the question without the cached material."""
+
+    name = "no-context"
+    budget = None
+
+    def setup(self, model: HybridModel, config: ArenaConfig) -> None:
+        self.model = model
+
+    def build_cache(self, source: list[int]) -> None:
+        return None
+
+    def answer(self, question: list[int], caches: list[Any], config: ArenaConfig) -> Answer:
+        prompt = torch.tensor(question, dtype=torch.long)
+        cache = self.model.new_cache()
+        start = time.perf_counter()
+        logits = self.model.forward(prompt, cache, start=0, logits_to_keep=1)
+        ttft = time.perf_counter() - start
+        tokens = greedy_continue(self.model, cache, logits[-1], prompt.numel(), config.max_new_tokens)
+        return Answer(
+            text="",
+            tokens=tokens,
+            ttft_s=ttft,
+            recomputed_tokens=prompt.numel(),
+            recomputed_layer_tokens=prompt.numel() * self.model.description.num_layers,
+        )
+
+
+def available_methods() -> list[str]:
+    return ["no-context", *METHODS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))]
+
+
+def get_arena_method(name: str, budget: Budget | None) -> ArenaMethod:
+    """A built-in method, the no-context floor, or one registered under the entry point group."""
+    if name == "no-context":
+        return NoContext()
+    if name in METHODS:
+        recovery = METHODS[name]
+        if recovery.uses_budget and budget is None:
+            raise HybridKVError(f"method {name!r} needs a budget")
+        return RecoveryArenaMethod(recovery, budget if recovery.uses_budget else None)
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name == name:
+            method = entry_point.load()(budget)
+            for call in ("setup", "build_cache", "answer"):
+                if not callable(getattr(method, call, None)):
+                    raise HybridKVError(f"method {name!r} ({entry_point.value}) has no {call}() — see the contract")
+            return method
+    raise HybridKVError(f"unknown method {name!r}; known: {', '.join(available_methods())}")
