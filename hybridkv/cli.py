@@ -84,6 +84,38 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--store", action="append", required=True, help="store URL; repeat for several backends")
     bench.add_argument("--repeats", type=int, default=20, help="operations per entry size (the checkpoint: 1/5)")
     bench.add_argument("--out", type=Path, default=Path("out/store-bench"), help="output directory")
+
+    arena = commands.add_parser("arena", help="task-level validation: run, score and report methods on workloads")
+    arena_commands = arena.add_subparsers(dest="action", required=True)
+    run = arena_commands.add_parser(
+        "run",
+        help="answer every sample with every method; writes OUT/results.jsonl and OUT/summary.json",
+        description=(
+            "Generates (or reloads) the workload's samples, freezes them to OUT/samples.jsonl with a checksum, "
+            "and answers each one with each method through the setup/build_cache/answer contract. Rows are "
+            "appended as they are scored, so a killed run resumes without duplicating rows."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run.add_argument("--workload", default="ruler", choices=["ruler"], help="workload")
+    run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
+    run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")
+    run.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    run.add_argument(
+        "--methods",
+        default="no-context,full,zero-state,checkpoint,tail-replay",
+        help="methods (no-context is the PGR floor, full the oracle; entry-point methods work too)",
+    )
+    run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
+    run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    run.add_argument("--data", default=None, help="local data (SQuAD/HotpotQA json for RULER's qa tasks)")
+    run.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: per task)")
+    run.add_argument("--checkpoint-interval", type=int, default=384, help="state checkpoints for checkpoint methods")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", type=Path, default=Path("out/arena"), help="output directory (resumed if it exists)")
+    run.add_argument("--no-progress", action="store_true")
+    score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
+    score.add_argument("out", type=Path)
     return parser
 
 
@@ -160,6 +192,65 @@ def _store_bench(args: argparse.Namespace) -> None:
     print(f"\nwrote {args.out / 'store_bench.json'}")
 
 
+def _arena(args: argparse.Namespace) -> None:
+    import json
+
+    from hybridkv.eval.scoring import score_ruler
+    from hybridkv.eval.summary import rescore, summarise
+
+    if args.action == "score":
+        from hybridkv.eval.arena import read_rows
+
+        results = args.out / "results.jsonl"
+        if not results.exists():
+            raise HybridKVError(f"{results}: no results to score")
+        summary = summarise(rescore(read_rows(results), score_ruler))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.out / 'summary.json'} ({len(summary['rows'])} rows)")
+        return
+
+    from hybridkv.eval.arena import ArenaPlan, run_arena
+    from hybridkv.eval.contract import ArenaConfig, get_arena_method
+    from hybridkv.eval.workloads import ruler
+    from hybridkv.eval.workloads.frozen import freeze, load_frozen
+    from hybridkv.methods import Budget
+    from hybridkv.models import load_model
+    from hybridkv.models.tokenizer import load_tokenizer
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    for name in methods:
+        get_arena_method(name, budgets[0] if budgets else None)  # unknown names fail before any work
+    tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else list(ruler.LOCAL_TASKS)
+    if args.data is None and (skipped := [t for t in tasks if t in ruler.DATA_TASKS]):
+        print(f"skipping {', '.join(skipped)}: they need --data PATH with SQuAD/HotpotQA json")
+        tasks = [t for t in tasks if t not in ruler.DATA_TASKS]
+    tokenizer = load_tokenizer(args.model)
+    frozen = args.out / "samples.jsonl"
+    if frozen.exists():
+        samples = load_frozen(frozen)
+    else:
+        samples = [
+            sample
+            for task in tasks
+            for length in args.lengths
+            for sample in ruler.generate(task, length, args.samples, tokenizer, seed=args.seed, data_path=args.data)
+        ]
+        args.out.mkdir(parents=True, exist_ok=True)
+        freeze(samples, frozen)
+    model = load_model(args.model, seed=args.seed)
+    config = ArenaConfig(max_new_tokens=args.max_new_tokens or 32, checkpoint_interval=args.checkpoint_interval or None)
+    results = run_arena(
+        model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, score_ruler,
+        show_progress=not args.no_progress,
+    )  # fmt: skip
+    from hybridkv.eval.arena import read_rows
+
+    summary = summarise(rescore(read_rows(results), score_ruler))
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {results} and {args.out / 'summary.json'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -169,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             _store_bench(args)
         elif args.command == "store":
             _store(args)
+        elif args.command == "arena":
+            _arena(args)
     except HybridKVError as err:
         print(f"hybridkv: error: {err}", file=sys.stderr)
         return 2

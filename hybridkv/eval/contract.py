@@ -64,7 +64,14 @@ class ArenaMethod(Protocol):
 
 
 class RecoveryArenaMethod:
-    """A prefix-reuse recovery method: the source is the cached prefix, the question follows it."""
+    """A prefix-reuse recovery method: the source is the cached prefix, the question follows it.
+
+    Methods asking for the same capture of the same source (same checkpoint interval) share the
+    most recent one, so a sample-major run prefills each document once per capture kind, not
+    once per method; every method still reports the build time it would have paid.
+    """
+
+    _last_capture: tuple[tuple, CachedPrompt, float] | None = None
 
     def __init__(self, recovery: RecoveryMethod, budget: Budget | None) -> None:
         self.recovery = recovery
@@ -77,7 +84,16 @@ class RecoveryArenaMethod:
 
     def build_cache(self, source: list[int]) -> CachedPrompt:
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
-        return capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
+        key = (id(self.model), interval, tuple(source))
+        last = RecoveryArenaMethod._last_capture
+        if last is not None and last[0] == key:
+            self.last_build_s = last[2]
+            return last[1]
+        started = time.perf_counter()
+        cached = capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
+        self.last_build_s = time.perf_counter() - started
+        RecoveryArenaMethod._last_capture = (key, cached, self.last_build_s)
+        return cached
 
     def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:
         (cached,) = caches

@@ -1,0 +1,65 @@
+"""`hybridkv arena score`: summary.json rebuilt from results.jsonl (scores recomputed from predictions).
+
+For each (workload, task, length, method, budget): n, mean score, retention against full
+prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
+full-prefill oracle on the same samples — with a paired bootstrap 95% CI, plus the cost means.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+
+from hybridkv.eval.stats import paired_bootstrap_pgr_ci, pgr, retention
+
+COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes", "ttft_s", "build_s")
+
+
+def rescore(rows: list[dict], score: Callable[[str, str, list[str]], float]) -> list[dict]:
+    """The rows with `score` recomputed from each stored prediction."""
+    return [{**row, "score": score(row["task"], row["prediction"], row["golds"])} for row in rows]
+
+
+def summarise(rows: list[dict]) -> dict:
+    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        key = (row["workload"], row["task"], row["length"], row["method"], row["budget"])
+        groups[key][row["id"]] = row  # a resumed run never holds two rows per id; keep the last
+    by_setting: dict[tuple, dict[str, dict[str, dict]]] = defaultdict(dict)
+    for (workload, task, length, method, budget), samples in groups.items():
+        by_setting[(workload, task, length)][f"{method}|{budget}"] = samples
+    summary = []
+    for (workload, task, length, method, budget), samples in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        setting = by_setting[(workload, task, length)]
+        oracle = setting.get("full|None", {})
+        floor = setting.get("no-context|None", {})
+        ids = sorted(samples)
+        scores = [samples[i]["score"] for i in ids]
+        mean = statistics.fmean(scores)
+        paired = [i for i in ids if i in oracle and i in floor]
+        method_scores = [samples[i]["score"] for i in paired]
+        oracle_scores = [oracle[i]["score"] for i in paired]
+        floor_scores = [floor[i]["score"] for i in paired]
+        oracle_mean = statistics.fmean(oracle_scores) if paired else None
+        floor_mean = statistics.fmean(floor_scores) if paired else None
+        summary.append(
+            {
+                "workload": workload,
+                "task": task,
+                "length": length,
+                "method": method,
+                "budget": budget,
+                "n": len(ids),
+                "score": mean,
+                "retention": retention(mean, statistics.fmean(oracle[i]["score"] for i in ids if i in oracle))
+                if any(i in oracle for i in ids)
+                else None,
+                "pgr": pgr(statistics.fmean(method_scores), floor_mean, oracle_mean) if paired else None,
+                "pgr_ci95": list(ci)
+                if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))
+                else None,
+                **{cost: statistics.fmean(samples[i][cost] for i in ids) for cost in COSTS},
+            }
+        )
+    return {"rows": summary}
