@@ -1,0 +1,136 @@
+"""The arena runner: the method contract, an outside method through the entry point, resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.arena import ArenaPlan, read_rows, run_arena
+from hybridkv.eval.contract import ArenaConfig, available_methods, get_arena_method
+from hybridkv.methods import Budget
+from hybridkv.models.tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    task: str
+    length: int
+    context: str
+    question: str
+    golds: list[str]
+    meta: dict = field(default_factory=dict)
+
+
+def samples(n: int) -> list[Sample]:
+    return [
+        Sample(f"toy-{i}", "toy", 256, f"Record {i}: the code word is {'abcdefgh'[i % 8] * 3}. " * 6,
+               " What is the code word?", ["aaa"])
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def contains_gold(task: str, prediction: str, golds: list[str]) -> float:
+    return float(any(g in prediction for g in golds))
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models["tiny-olmo-hybrid"]
+
+
+PLAN = ArenaPlan("toy", ["no-context", "full", "zero-state", "tail-replay"], [Budget(fraction=0.1), Budget(1.0)])
+CONFIG = ArenaConfig(max_new_tokens=4, checkpoint_interval=64)
+
+
+def test_every_sample_gets_one_row_per_method_and_budget(model, tmp_path):
+    results = run_arena(model, ByteTokenizer(), samples(3), PLAN, CONFIG, tmp_path, contains_gold, False)
+    rows = read_rows(results)
+    keys = Counter((r["id"], r["method"], r["budget"]) for r in rows)
+    assert len(rows) == 3 * (1 + 1 + 1 + 2) and max(keys.values()) == 1
+    for row in rows:
+        assert row["reused_tokens"] + row["recomputed_tokens"] == (
+            row["context_tokens"] + row["question_tokens"] if row["method"] != "no-context" else row["question_tokens"]
+        )
+        assert row["recomputed_layer_tokens"] <= row["dense_layer_tokens"]
+
+
+def test_whole_prefix_replay_answers_exactly_as_full_prefill(model, tmp_path):
+    rows = read_rows(run_arena(model, ByteTokenizer(), samples(2), PLAN, CONFIG, tmp_path, contains_gold, False))
+    full = {r["id"]: r["prediction"] for r in rows if r["method"] == "full"}
+    replay = {r["id"]: r["prediction"] for r in rows if r["method"] == "tail-replay" and r["budget"] == 1.0}
+    assert full == replay
+
+
+def test_a_killed_run_resumes_without_duplicates(model, tmp_path):
+    tokenizer, data = ByteTokenizer(), samples(3)
+    complete = read_rows(run_arena(model, tokenizer, data, PLAN, CONFIG, tmp_path / "a", contains_gold, False))
+    killed = tmp_path / "b"
+    killed.mkdir()
+    lines = [json.dumps(row, sort_keys=True) for row in complete]
+    (killed / "results.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:25])  # torn last line
+    resumed = read_rows(run_arena(model, tokenizer, data, PLAN, CONFIG, killed, contains_gold, False))
+    assert len(resumed) == len(complete)
+    assert Counter((r["id"], r["method"], r["budget"]) for r in resumed).most_common(1)[0][1] == 1
+    assert resumed[:7] == complete[:7]  # kept, not redone
+
+    def predictions(rows):
+        return {(r["id"], r["method"], r["budget"]): r["prediction"] for r in rows}
+
+    assert predictions(resumed) == predictions(complete)
+
+
+OUTSIDE = '''
+from hybridkv.eval.contract import Answer
+
+class Echo:
+    """An outside method: answers with the last bytes of the question, builds no cache."""
+    name = "outside-echo"
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def setup(self, model, config):
+        self.model = model
+
+    def build_cache(self, source):
+        return len(source)
+
+    def answer(self, question, caches, config):
+        return Answer(text="aaa" if caches == [caches[0]] else "", tokens=[], ttft_s=0.0,
+                      recomputed_tokens=len(question))
+
+def factory(budget):
+    return Echo(budget)
+'''
+
+
+def test_an_outside_method_registers_through_the_entry_point(model, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "outside_hkv_method-0.1.dist-info").mkdir(parents=True)
+    (site / "outside_hkv_method-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: outside-hkv-method\nVersion: 0.1\n"
+    )
+    (site / "outside_hkv_method-0.1.dist-info" / "entry_points.txt").write_text(
+        "[hybridkv.methods]\noutside-echo = outside_hkv_method:factory\n"
+    )
+    (site / "outside_hkv_method.py").write_text(OUTSIDE)
+    monkeypatch.syspath_prepend(str(site))
+    assert "outside-echo" in available_methods()
+    plan = ArenaPlan("toy", ["full", "outside-echo"])
+    rows = read_rows(
+        run_arena(model, ByteTokenizer(), samples(2), plan, CONFIG, tmp_path / "out", contains_gold, False)
+    )
+    outside = [r for r in rows if r["method"] == "outside-echo"]
+    assert len(outside) == 2 and all(r["score"] == 1.0 and r["prediction"] == "aaa" for r in outside)
+
+
+def test_unknown_and_budgetless_methods_are_clear_errors():
+    with pytest.raises(HybridKVError, match="unknown method 'nope'"):
+        get_arena_method("nope", None)
+    with pytest.raises(HybridKVError, match="needs a budget"):
+        get_arena_method("tail-replay", None)
