@@ -1,0 +1,44 @@
+"""summary.json from results rows: grouping, retention and PGR against floor and oracle, costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.eval.summary import rescore, summarise
+
+
+def row(sample: int, method: str, score: float, budget=None, **costs) -> dict:
+    base = {"recomputed_layer_tokens": 10, "dense_layer_tokens": 100, "kv_bytes": 0, "state_bytes": 0,
+            "ttft_s": 1.0, "build_s": 0.5}  # fmt: skip
+    return {"workload": "w", "task": "t", "length": 4096, "id": f"s{sample}", "method": method, "budget": budget,
+            "score": score, "prediction": str(score), "golds": ["1.0"], **base, **costs}  # fmt: skip
+
+
+def test_retention_and_pgr_are_computed_per_setting():
+    # floor 0.2, oracle 0.8, method 0.5 on average -> PGR (0.5 - 0.2) / (0.8 - 0.2) = 0.5; retention 0.5 / 0.8
+    rows = [
+        row(0, "no-context", 0.0), row(1, "no-context", 0.4),
+        row(0, "full", 1.0), row(1, "full", 0.6),
+        row(0, "tail-replay", 0.6, budget=0.05), row(1, "tail-replay", 0.4, budget=0.05, ttft_s=3.0),
+    ]  # fmt: skip
+    summary = {(r["method"], r["budget"]): r for r in summarise(rows)["rows"]}
+    replay = summary[("tail-replay", 0.05)]
+    assert replay["n"] == 2 and replay["score"] == pytest.approx(0.5)
+    assert replay["pgr"] == pytest.approx(0.5)
+    assert replay["retention"] == pytest.approx(0.5 / 0.8)
+    assert replay["ttft_s"] == pytest.approx(2.0)
+    assert summary[("full", None)]["pgr"] == pytest.approx(1.0)
+    assert summary[("no-context", None)]["pgr"] == pytest.approx(0.0)
+
+
+def test_pgr_is_undefined_when_the_oracle_does_not_beat_the_floor():
+    rows = [row(0, "no-context", 0.5), row(0, "full", 0.5), row(0, "zero-state", 0.5)]
+    for summary_row in summarise(rows)["rows"]:
+        assert summary_row["pgr"] is None and summary_row["pgr_ci95"] is None
+
+
+def test_scores_are_recomputed_from_predictions_not_trusted():
+    rows = [row(0, "full", 1.0), row(0, "zero-state", 1.0)]
+    rows[1]["prediction"] = "wrong"
+    rescored = rescore(rows, lambda task, prediction, golds: float(prediction in golds))
+    assert [r["score"] for r in rescored] == [1.0, 0.0]
