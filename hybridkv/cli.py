@@ -116,6 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true")
     score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
     score.add_argument("out", type=Path)
+    report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
+    report.add_argument("out", type=Path)
     return parser
 
 
@@ -198,6 +200,14 @@ def _arena(args: argparse.Namespace) -> None:
     from hybridkv.eval.scoring import score_ruler
     from hybridkv.eval.summary import rescore, summarise
 
+    if args.action == "report":
+        from hybridkv.report.arena_report import write_arena_report
+
+        if not (args.out / "summary.json").exists():
+            raise HybridKVError(f"{args.out / 'summary.json'}: missing; run `hybridkv arena score {args.out}` first")
+        md_path, html_path = write_arena_report(args.out)
+        print(f"wrote {md_path} and {html_path}")
+        return
     if args.action == "score":
         from hybridkv.eval.arena import read_rows
 

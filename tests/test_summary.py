@@ -42,3 +42,22 @@ def test_scores_are_recomputed_from_predictions_not_trusted():
     rows[1]["prediction"] = "wrong"
     rescored = rescore(rows, lambda task, prediction, golds: float(prediction in golds))
     assert [r["score"] for r in rescored] == [1.0, 0.0]
+
+
+def test_report_writes_plots_and_tables(tmp_path):
+    import json
+
+    from hybridkv.cli import main
+
+    rows = [
+        row(0, "no-context", 0.0), row(0, "full", 1.0, ttft_s=2.0), row(0, "zero-state", 0.0, ttft_s=0.5),
+        row(0, "tail-replay", 0.5, budget=0.05, ttft_s=0.5, kv_bytes=2**20),
+        row(0, "tail-replay", 1.0, budget=0.1, ttft_s=1.0, kv_bytes=2**20),
+    ]  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summarise(rows)))
+    assert main(["arena", "report", str(tmp_path)]) == 0
+    for name in ("quality_vs_budget.png", "pgr.png", "ttft_speedup.png", "bytes.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "report.md").read_text()
+    assert "tail-replay" in report and "![pgr.png](pgr.png)" in report
+    assert "data:image/png;base64," in (tmp_path / "report.html").read_text()
