@@ -1,0 +1,28 @@
+"""Task workloads for the arena, each generated (or read) as a list of `Sample`s.
+
+- `ruler`: the 13 RULER tasks, generated here for any tokenizer and target length.
+- `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
+  is reproducible from the exact prompts it scored.
+
+A `Sample` splits a prompt in two: `context` is the question-blind document a method may cache
+ahead of time, `question` is what follows it (the query and the answer prefix). The full prompt
+is always `context + question`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str  # stable: f"{task}-{length}-{index}"
+    task: str
+    length: int  # target length in tokens (prompt + tokens to generate)
+    context: str  # the document: the cacheable, question-blind part
+    question: str  # what follows the context: the query, with the answer prefix
+    golds: list[str]
+    meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
+
+
+__all__ = ["Sample"]
