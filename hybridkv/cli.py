@@ -249,10 +249,10 @@ def _arena(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     model = load_model(args.model, seed=args.seed)
-    config = ArenaConfig(max_new_tokens=args.max_new_tokens or 32, checkpoint_interval=args.checkpoint_interval or None)
+    config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None)
     results = run_arena(
         model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, score_ruler,
-        show_progress=not args.no_progress,
+        show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     from hybridkv.eval.arena import read_rows
 

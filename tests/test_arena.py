@@ -134,3 +134,29 @@ def test_unknown_and_budgetless_methods_are_clear_errors():
         get_arena_method("nope", None)
     with pytest.raises(HybridKVError, match="needs a budget"):
         get_arena_method("tail-replay", None)
+
+
+def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    out = tmp_path / "arena"
+    argv = ["arena", "run", "--workload", "ruler", "--tasks", "niah_single_1,vt,qa_1", "--lengths", "1024",
+            "--samples", "1", "--methods", "no-context,full,tail-replay", "--budgets", "0.1",
+            "--model", "tiny-olmo-hybrid", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    assert "skipping qa_1" in capsys.readouterr().out
+    rows = read_rows(out / "results.jsonl")
+    assert {(r["task"], r["method"]) for r in rows} == {
+        (t, m) for t in ("niah_single_1", "vt") for m in ("no-context", "full", "tail-replay")
+    }
+    summary = json.loads((out / "summary.json").read_text())
+    expected = {"workload", "task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95",
+                "recomputed_layer_tokens", "kv_bytes", "state_bytes", "ttft_s", "build_s"}  # fmt: skip
+    assert all(expected <= row.keys() for row in summary["rows"]) and len(summary["rows"]) == 6
+    samples_before = (out / "samples.jsonl").read_bytes()
+    assert main(argv) == 0  # a second run finds everything done
+    assert read_rows(out / "results.jsonl") == rows
+    assert (out / "samples.jsonl").read_bytes() == samples_before
+    assert main(["arena", "score", str(out)]) == 0
+    assert main(["arena", "report", str(out)]) == 0
+    assert (out / "report.html").exists() and (out / "pgr.png").exists()

@@ -8,6 +8,7 @@ are skipped, never duplicated. Scores are recomputed from the stored predictions
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable
@@ -65,8 +66,13 @@ def run_arena(
     out_dir: Path,
     score,
     show_progress: bool = True,
+    max_new_tokens: int | None = None,
 ) -> Path:
-    """Answer every sample with every (method, budget); append scored rows to out_dir/results.jsonl."""
+    """Answer every sample with every (method, budget); append scored rows to out_dir/results.jsonl.
+
+    Each answer may use the sample's own generation budget (`meta["tokens_to_generate"]`, as RULER
+    sets per task), capped by `max_new_tokens` when given.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     existing = read_rows(results)
@@ -90,7 +96,11 @@ def run_arena(
             cache = method.build_cache(context)
             # A method that reuses an identical earlier build reports that build's cost.
             build_s = getattr(method, "last_build_s", time.perf_counter() - started)
-            answer = method.answer(question, [cache] if cache is not None else [], config)
+            budget_tokens = sample.meta.get("tokens_to_generate", config.max_new_tokens)
+            if max_new_tokens is not None:
+                budget_tokens = min(budget_tokens, max_new_tokens)
+            sample_config = dataclasses.replace(config, max_new_tokens=budget_tokens)
+            answer = method.answer(question, [cache] if cache is not None else [], sample_config)
             prediction = answer.text or tokenizer.decode(answer.tokens)
             row = {
                 "workload": plan.workload,

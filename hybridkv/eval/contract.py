@@ -34,7 +34,7 @@ ENTRY_POINT_GROUP = "hybridkv.methods"
 
 @dataclass
 class ArenaConfig:
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # the runner sets it per sample (the task's answer budget, capped by the user)
     checkpoint_interval: int | None = 384
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +83,9 @@ class RecoveryArenaMethod:
         self.config = config
 
     def build_cache(self, source: list[int]) -> CachedPrompt:
+        if self.name == "full":  # full prefill reuses nothing: keep the tokens, build no KV
+            self.last_build_s = 0.0
+            return CachedPrompt(torch.tensor(source, dtype=torch.long), {})
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
         key = (id(self.model), interval, tuple(source))
         last = RecoveryArenaMethod._last_capture
