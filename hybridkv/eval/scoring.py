@@ -45,23 +45,25 @@ from collections.abc import Callable, Sequence
 # RULER
 # --------------------------------------------------------------------------------------------
 
-RULER_PART_TASKS = frozenset({"qa_1", "qa_2"})
-RULER_ALL_TASKS = frozenset(
-    {
-        "niah_single_1",
-        "niah_single_2",
-        "niah_single_3",
-        "niah_multikey_1",
-        "niah_multikey_2",
-        "niah_multikey_3",
-        "niah_multivalue",
-        "niah_multiquery",
-        "vt",
-        "cwe",
-        "fwe",
-    }
+# The 13 RULER tasks in RULER's order (the workload generator uses this list too).
+RULER_TASK_ORDER = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
 )
-RULER_TASKS = RULER_PART_TASKS | RULER_ALL_TASKS
+RULER_TASKS = frozenset(RULER_TASK_ORDER)
+RULER_PART_TASKS = frozenset({"qa_1", "qa_2"})
+RULER_ALL_TASKS = RULER_TASKS - RULER_PART_TASKS
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f]")
 

@@ -67,23 +67,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.eval.scoring import RULER_TASK_ORDER
 from hybridkv.eval.workloads import Sample
 
-TASKS = (
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-    "qa_1",
-    "qa_2",
-)
+TASKS = RULER_TASK_ORDER
 DATA_TASKS = ("qa_1", "qa_2")
 LOCAL_TASKS = tuple(t for t in TASKS if t not in DATA_TASKS)
 
