@@ -97,7 +97,9 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    run.add_argument("--workload", default="ruler", choices=["ruler"], help="workload")
+    run.add_argument(
+        "--workload", default="ruler", choices=["ruler", "longbench"], help="ruler (generated) or longbench (--data)"
+    )
     run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
     run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")
     run.add_argument("--samples", type=int, default=20, help="samples per task and length")
@@ -108,7 +110,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
-    run.add_argument("--data", default=None, help="local data (SQuAD/HotpotQA json for RULER's qa tasks)")
+    run.add_argument(
+        "--data", default=None, help="local data: SQuAD/HotpotQA json for RULER's qa tasks; LongBench's data folder"
+    )
     run.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: per task)")
     run.add_argument("--checkpoint-interval", type=int, default=384, help="state checkpoints for checkpoint methods")
     run.add_argument("--seed", type=int, default=0)
@@ -197,8 +201,18 @@ def _store_bench(args: argparse.Namespace) -> None:
 def _arena(args: argparse.Namespace) -> None:
     import json
 
-    from hybridkv.eval.scoring import score_ruler
+    from hybridkv.eval.arena import read_rows
     from hybridkv.eval.summary import rescore, summarise
+    from hybridkv.eval.workloads import score_row
+
+    def write_summary() -> Path:
+        results = args.out / "results.jsonl"
+        if not results.exists():
+            raise HybridKVError(f"{results}: no results to score")
+        summary = summarise(rescore(read_rows(results), score_row))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.out / 'summary.json'} ({len(summary['rows'])} rows)")
+        return results
 
     if args.action == "report":
         from hybridkv.report.arena_report import write_arena_report
@@ -209,56 +223,54 @@ def _arena(args: argparse.Namespace) -> None:
         print(f"wrote {md_path} and {html_path}")
         return
     if args.action == "score":
-        from hybridkv.eval.arena import read_rows
-
-        results = args.out / "results.jsonl"
-        if not results.exists():
-            raise HybridKVError(f"{results}: no results to score")
-        summary = summarise(rescore(read_rows(results), score_ruler))
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {args.out / 'summary.json'} ({len(summary['rows'])} rows)")
+        write_summary()
         return
 
     from hybridkv.eval.arena import ArenaPlan, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
-    from hybridkv.eval.workloads import ruler
+    from hybridkv.eval.workloads import workload_module
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
+    from hybridkv.eval.workloads.ruler import MissingDataError
     from hybridkv.methods import Budget
     from hybridkv.models import load_model
     from hybridkv.models.tokenizer import load_tokenizer
 
+    workload = workload_module(args.workload)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     for name in methods:
         get_arena_method(name, budgets[0] if budgets else None)  # unknown names fail before any work
-    tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else list(ruler.LOCAL_TASKS)
-    if args.data is None and (skipped := [t for t in tasks if t in ruler.DATA_TASKS]):
-        print(f"skipping {', '.join(skipped)}: they need --data PATH with SQuAD/HotpotQA json")
-        tasks = [t for t in tasks if t not in ruler.DATA_TASKS]
+    tasks = (
+        [t.strip() for t in args.tasks.split(",")]
+        if args.tasks
+        else list(getattr(workload, "LOCAL_TASKS", workload.TASKS))
+    )
+    if unknown := [t for t in tasks if t not in workload.TASKS]:
+        raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.TASKS)}")
     tokenizer = load_tokenizer(args.model)
     frozen = args.out / "samples.jsonl"
     if frozen.exists():
         samples = load_frozen(frozen)
     else:
-        samples = [
-            sample
-            for task in tasks
-            for length in args.lengths
-            for sample in ruler.generate(task, length, args.samples, tokenizer, seed=args.seed, data_path=args.data)
-        ]
+        samples = []
+        for task in tasks:
+            for length in args.lengths:
+                try:
+                    samples += workload.generate(task, length, args.samples, tokenizer, args.seed, args.data)
+                except MissingDataError as err:
+                    print(err)
+                    break
+        if not samples:
+            raise HybridKVError(f"no {args.workload} samples to run (see the messages above)")
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     model = load_model(args.model, seed=args.seed)
     config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None)
-    results = run_arena(
-        model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, score_ruler,
+    run_arena(
+        model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, workload.score,
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
-    from hybridkv.eval.arena import read_rows
-
-    summary = summarise(rescore(read_rows(results), score_ruler))
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {results} and {args.out / 'summary.json'}")
+    write_summary()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def samples(n: int) -> list[Sample]:
     ]  # fmt: skip
 
 
-def contains_gold(task: str, prediction: str, golds: list[str]) -> float:
+def contains_gold(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
     return float(any(g in prediction for g in golds))
 
 
@@ -144,7 +144,7 @@ def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
             "--samples", "1", "--methods", "no-context,full,tail-replay", "--budgets", "0.1",
             "--model", "tiny-olmo-hybrid", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
-    assert "skipping qa_1" in capsys.readouterr().out
+    assert "qa_1 skipped" in capsys.readouterr().out
     rows = read_rows(out / "results.jsonl")
     assert {(r["task"], r["method"]) for r in rows} == {
         (t, m) for t in ("niah_single_1", "vt") for m in ("no-context", "full", "tail-replay")
@@ -160,3 +160,32 @@ def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
     assert main(["arena", "score", str(out)]) == 0
     assert main(["arena", "report", str(out)]) == 0
     assert (out / "report.html").exists() and (out / "pgr.png").exists()
+
+
+def test_arena_runs_longbench_from_a_local_copy_and_rescores_with_its_classes(tmp_path):
+    from hybridkv.cli import main
+
+    data = tmp_path / "longbench"
+    data.mkdir()
+    records = {
+        "hotpotqa": {"input": "Who wrote the memo?", "context": "Passage 1:\nThe memo was written by Ada. " * 8,
+                     "answers": ["Ada"], "all_classes": None},
+        "trec": {"input": "What city hosts the fair?", "context": "Question: Who is it?\nType: Individual\n" * 6,
+                 "answers": ["City"], "all_classes": ["City", "Individual", "Date"]},
+    }  # fmt: skip
+    for dataset, record in records.items():
+        lines = [
+            json.dumps({**record, "length": 100, "dataset": dataset, "language": "en", "_id": f"{dataset}{i}"})
+            for i in range(2)
+        ]
+        (data / f"{dataset}.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "arena"
+    argv = ["arena", "run", "--workload", "longbench", "--data", str(data), "--tasks", "hotpotqa,trec",
+            "--lengths", "1024", "--samples", "2", "--methods", "no-context,full,tail-replay", "--budgets", "0.1",
+            "--model", "tiny-olmo-hybrid", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 2 * 2 * 3
+    assert all(r["score_meta"]["all_classes"] == records["trec"]["all_classes"] for r in rows if r["task"] == "trec")
+    assert main(["arena", "score", str(out)]) == 0  # trec rescoring needs the stored classes
+    assert {r["task"] for r in json.loads((out / "summary.json").read_text())["rows"]} == {"hotpotqa", "trec"}

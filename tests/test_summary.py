@@ -40,7 +40,7 @@ def test_pgr_is_undefined_when_the_oracle_does_not_beat_the_floor():
 def test_scores_are_recomputed_from_predictions_not_trusted():
     rows = [row(0, "full", 1.0), row(0, "zero-state", 1.0)]
     rows[1]["prediction"] = "wrong"
-    rescored = rescore(rows, lambda task, prediction, golds: float(prediction in golds))
+    rescored = rescore(rows, lambda row: float(row["prediction"] in row["golds"]))
     assert [r["score"] for r in rescored] == [1.0, 0.0]
 
 

@@ -16,9 +16,9 @@ from hybridkv.eval.stats import paired_bootstrap_pgr_ci, pgr, retention
 COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes", "ttft_s", "build_s")
 
 
-def rescore(rows: list[dict], score: Callable[[str, str, list[str]], float]) -> list[dict]:
-    """The rows with `score` recomputed from each stored prediction."""
-    return [{**row, "score": score(row["task"], row["prediction"], row["golds"])} for row in rows]
+def rescore(rows: list[dict], score: Callable[[dict], float]) -> list[dict]:
+    """The rows with `score(row)` recomputed from each stored prediction."""
+    return [{**row, "score": score(row)} for row in rows]
 
 
 def summarise(rows: list[dict]) -> dict:

@@ -1,6 +1,7 @@
 """Task workloads for the arena, each generated (or read) as a list of `Sample`s.
 
 - `ruler`: the 13 RULER tasks, generated here for any tokenizer and target length.
+- `longbench`: LongBench v1's 21 datasets read from a local copy, with the official templates.
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
@@ -25,4 +26,24 @@ class Sample:
     meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
 
 
-__all__ = ["Sample"]
+WORKLOADS = ("ruler", "longbench")
+
+
+def workload_module(name: str):
+    """The module of a workload: `generate(task, length, n, tokenizer, seed, data_path)`, `score(...)`,
+    `TASKS`, and the tasks it can make without local data."""
+    import importlib
+
+    from hybridkv.errors import HybridKVError
+
+    if name not in WORKLOADS:
+        raise HybridKVError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return importlib.import_module(f"hybridkv.eval.workloads.{name}")
+
+
+def score_row(row: dict) -> float:
+    """Score a stored prediction with its workload's official metric."""
+    return workload_module(row["workload"]).score(row["task"], row["prediction"], row["golds"], row.get("score_meta"))
+
+
+__all__ = ["WORKLOADS", "Sample", "score_row", "workload_module"]

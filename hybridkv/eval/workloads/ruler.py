@@ -1003,3 +1003,10 @@ __all__ = [
     "essay_words",
     "generate",
 ]
+
+
+def score(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
+    """RULER's official per-sample score (string_match_all, or string_match_part for qa)."""
+    from hybridkv.eval.scoring import score_ruler
+
+    return score_ruler(task, prediction, golds)
