@@ -98,7 +98,10 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument(
-        "--workload", default="ruler", choices=["ruler", "longbench"], help="ruler (generated) or longbench (--data)"
+        "--workload",
+        default="ruler",
+        choices=["ruler", "longbench", "prefix"],
+        help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions)",
     )
     run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
     run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")

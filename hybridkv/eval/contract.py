@@ -66,12 +66,13 @@ class ArenaMethod(Protocol):
 class RecoveryArenaMethod:
     """A prefix-reuse recovery method: the source is the cached prefix, the question follows it.
 
-    Methods asking for the same capture of the same source (same checkpoint interval) share the
-    most recent one, so a sample-major run prefills each document once per capture kind, not
-    once per method; every method still reports the build time it would have paid.
+    Methods asking for the same capture of the same source share it: the latest capture of each
+    kind (checkpoint interval) is kept, so a sample-major run prefills each document once per kind,
+    not once per method, and questions on one shared document reuse it. Every method still
+    reports the build time it would have paid.
     """
 
-    _last_capture: tuple[tuple, CachedPrompt, float] | None = None
+    _latest: dict[tuple, tuple[tuple[int, ...], CachedPrompt, float]] = {}
 
     def __init__(self, recovery: RecoveryMethod, budget: Budget | None) -> None:
         self.recovery = recovery
@@ -87,15 +88,15 @@ class RecoveryArenaMethod:
             self.last_build_s = 0.0
             return CachedPrompt(torch.tensor(source, dtype=torch.long), {})
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
-        key = (id(self.model), interval, tuple(source))
-        last = RecoveryArenaMethod._last_capture
-        if last is not None and last[0] == key:
-            self.last_build_s = last[2]
-            return last[1]
+        kind, tokens = (id(self.model), interval), tuple(source)
+        latest = RecoveryArenaMethod._latest.get(kind)
+        if latest is not None and latest[0] == tokens:
+            self.last_build_s = latest[2]
+            return latest[1]
         started = time.perf_counter()
         cached = capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
         self.last_build_s = time.perf_counter() - started
-        RecoveryArenaMethod._last_capture = (key, cached, self.last_build_s)
+        RecoveryArenaMethod._latest[kind] = (tokens, cached, self.last_build_s)
         return cached
 
     def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:

@@ -2,6 +2,7 @@
 
 - `ruler`: the 13 RULER tasks, generated here for any tokenizer and target length.
 - `longbench`: LongBench v1's 21 datasets read from a local copy, with the official templates.
+- `prefix`: long shared documents with several diverging questions each (prefix reuse).
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
@@ -26,7 +27,7 @@ class Sample:
     meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
 
 
-WORKLOADS = ("ruler", "longbench")
+WORKLOADS = ("ruler", "longbench", "prefix")
 
 
 def workload_module(name: str):
