@@ -2,7 +2,8 @@
 
 For each (workload, task, length, method, budget): n, mean score, retention against full
 prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
-full-prefill oracle on the same samples — with a paired bootstrap 95% CI, plus the cost means.
+full-prefill oracle on the same samples — with a paired bootstrap 95% CI, plus the cost means
+(token and byte counts) and medians (times).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable
 
 from hybridkv.eval.stats import paired_bootstrap_pgr_ci, pgr, retention
 
-COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes", "ttft_s", "build_s")
+COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes")
+TIMES = ("ttft_s", "build_s")  # medians: one slow outlier on a shared machine should not move them
 
 
 def rescore(rows: list[dict], score: Callable[[dict], float]) -> list[dict]:
@@ -60,6 +62,7 @@ def summarise(rows: list[dict]) -> dict:
                 if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))
                 else None,
                 **{cost: statistics.fmean(samples[i][cost] for i in ids) for cost in COSTS},
+                **{time: statistics.median(samples[i][time] for i in ids) for time in TIMES},
             }
         )
     return {"rows": summary}
