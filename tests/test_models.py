@@ -281,3 +281,20 @@ def test_glm5_sparse_attention_is_chunk_invariant_only_up_to_index_topk(models):
     # than float noise, while short prompts (every pool selected) agree to float precision.
     assert max(long_diffs) > 1e-3, long_diffs
     assert max(short_diffs) < 1e-4, short_diffs
+
+
+def test_glm5_cache_size_formulas_match_the_probed_tiny_model(models):
+    """The config-only arithmetic used for GLM-5.3-Flash's sizes must agree with what the model caches."""
+    from hybridkv.models.glm5 import Glm5CacheSizes
+
+    model = models["tiny-glm5-next"]
+    sizes = Glm5CacheSizes.from_config(model.config, dtype_bytes=4, state_dtype_bytes=4)  # tiny runs in float32
+    description = model.description
+    assert sizes.linear_layers == len(description.linear_layers)
+    assert sizes.attention_layers == len(description.attention_layers)
+    assert sizes.kv_bytes_per_token == description.kv_bytes_per_token
+    assert sizes.state_bytes_per_checkpoint == description.state_bytes
+    full = Glm5CacheSizes.from_config()  # GLM-5.3-Flash: 34 KDA + 11 MLA/DSA layers
+    assert (full.linear_layers, full.attention_layers) == (34, 11)
+    assert full.kv_bytes_per_token_per_layer == (512 + 0 + 2 * 128 + 1) * 2  # latent + indexer key, bf16
+    assert full.state_bytes_per_layer == 64 * 128 * 128 * 4 + 3 * 64 * 128 * 4 * 2
