@@ -100,8 +100,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--workload",
         default="ruler",
-        choices=["ruler", "longbench", "prefix"],
-        help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions)",
+        choices=["ruler", "longbench", "prefix", "multi-turn"],
+        help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
+        "multi-turn (each turn extends the last)",
     )
     run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
     run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")

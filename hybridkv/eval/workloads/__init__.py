@@ -3,6 +3,7 @@
 - `ruler`: the 13 RULER tasks, generated here for any tokenizer and target length.
 - `longbench`: LongBench v1's 21 datasets read from a local copy, with the official templates.
 - `prefix`: long shared documents with several diverging questions each (prefix reuse).
+- `multi-turn`: conversations whose every turn extends the last; each turn hits the previous prompt.
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
@@ -27,7 +28,7 @@ class Sample:
     meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
 
 
-WORKLOADS = ("ruler", "longbench", "prefix")
+WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn")
 
 
 def workload_module(name: str):
@@ -39,7 +40,7 @@ def workload_module(name: str):
 
     if name not in WORKLOADS:
         raise HybridKVError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    return importlib.import_module(f"hybridkv.eval.workloads.{name}")
+    return importlib.import_module(f"hybridkv.eval.workloads.{name.replace('-', '_')}")
 
 
 def score_row(row: dict) -> float:
