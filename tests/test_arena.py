@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.arena import ArenaPlan, read_rows, run_arena
 from hybridkv.eval.contract import ArenaConfig, available_methods, get_arena_method
+from hybridkv.eval.workloads import Sample
 from hybridkv.methods import Budget
 from hybridkv.models.tokenizer import ByteTokenizer
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    task: str
-    length: int
-    context: str
-    question: str
-    golds: list[str]
-    meta: dict = field(default_factory=dict)
 
 
 def samples(n: int) -> list[Sample]:

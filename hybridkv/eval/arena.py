@@ -90,17 +90,23 @@ def run_arena(
     with results.open("a") as sink, tqdm(total=len(todo), desc="arena", disable=not show_progress) as progress:
         for sample, name, budget in todo:
             method = methods[(name, str(budget))]
-            context = tokenizer.encode(sample.context)
+            # Each separately cached piece is tokenised alone: the prompt is their tokens end to end.
+            pieces = [tokenizer.encode(segment) for segment in sample.segments()]
+            context = [token for piece in pieces for token in piece]
             question = tokenizer.encode(sample.question)
-            started = time.perf_counter()
-            cache = method.build_cache(context)
-            # A method that reuses an identical earlier build reports that build's cost.
-            build_s = getattr(method, "last_build_s", time.perf_counter() - started)
+            caches, build_s = [], 0.0
+            for piece in pieces:
+                started = time.perf_counter()
+                cache = method.build_cache(piece)
+                # A method that reuses an identical earlier build reports that build's cost.
+                build_s += getattr(method, "last_build_s", time.perf_counter() - started)
+                if cache is not None:
+                    caches.append(cache)
             budget_tokens = sample.meta.get("tokens_to_generate", config.max_new_tokens)
             if max_new_tokens is not None:
                 budget_tokens = min(budget_tokens, max_new_tokens)
             sample_config = dataclasses.replace(config, max_new_tokens=budget_tokens)
-            answer = method.answer(question, [cache] if cache is not None else [], sample_config)
+            answer = method.answer(question, caches, sample_config)
             prediction = answer.text or tokenizer.decode(answer.tokens)
             row = {
                 "workload": plan.workload,
@@ -114,6 +120,7 @@ def run_arena(
                 "score": score(sample.task, prediction, sample.golds, sample.meta),
                 "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
                 "context_tokens": len(context),
+                "chunks": len(pieces),
                 "question_tokens": len(question),
                 "reused_tokens": answer.reused_tokens,
                 "replayed_tokens": answer.replayed_tokens,

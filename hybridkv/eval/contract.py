@@ -17,6 +17,7 @@ without any edit here.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
@@ -66,13 +67,18 @@ class ArenaMethod(Protocol):
 class RecoveryArenaMethod:
     """A prefix-reuse recovery method: the source is the cached prefix, the question follows it.
 
-    Methods asking for the same capture of the same source share it: the latest capture of each
-    kind (checkpoint interval) is kept, so a sample-major run prefills each document once per kind,
-    not once per method, and questions on one shared document reuse it. Every method still
-    reports the build time it would have paid.
+    Given several caches (a position-independent workload), the prompt is their tokens end to end
+    and only the first is a prefix hit: the KV of the others was computed at other positions after
+    other text, which a prefix method cannot use, so it recomputes them with the question.
+
+    Methods asking for the same capture of the same source share it: the latest few captures of
+    each kind (checkpoint interval) are kept, so a sample-major run prefills each document once
+    per kind, not once per method, and questions on one shared document reuse it. Every method
+    still reports the build time it would have paid.
     """
 
-    _latest: dict[tuple, tuple[tuple[int, ...], CachedPrompt, float]] = {}
+    _SHARED_CAPTURES = 32
+    _captures: OrderedDict[tuple, tuple[CachedPrompt, float]] = OrderedDict()
 
     def __init__(self, recovery: RecoveryMethod, budget: Budget | None) -> None:
         self.recovery = recovery
@@ -88,26 +94,30 @@ class RecoveryArenaMethod:
             self.last_build_s = 0.0
             return CachedPrompt(torch.tensor(source, dtype=torch.long), {})
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
-        kind, tokens = (id(self.model), interval), tuple(source)
-        latest = RecoveryArenaMethod._latest.get(kind)
-        if latest is not None and latest[0] == tokens:
-            self.last_build_s = latest[2]
-            return latest[1]
+        shared, key = RecoveryArenaMethod._captures, (id(self.model), interval, tuple(source))
+        if key in shared:
+            shared.move_to_end(key)
+            cached, self.last_build_s = shared[key]
+            return cached
         started = time.perf_counter()
         cached = capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
         self.last_build_s = time.perf_counter() - started
-        RecoveryArenaMethod._latest[kind] = (tokens, cached, self.last_build_s)
+        shared[key] = (cached, self.last_build_s)
+        while len(shared) > self._SHARED_CAPTURES:
+            shared.popitem(last=False)
         return cached
 
     def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:
-        (cached,) = caches
-        prompt = torch.cat([cached.tokens, torch.tensor(question, dtype=torch.long)])
+        cached, *others = caches
+        prompt = torch.cat(
+            [cached.tokens, *(other.tokens for other in others), torch.tensor(question, dtype=torch.long)]
+        )
         hit = Hit(cached, len(cached))
         start = time.perf_counter()
         outcome = execute(self.model, prompt, hit, self.recovery.recipe(hit, self.budget), logits_to_keep=1)
         ttft = time.perf_counter() - start
         tokens = greedy_continue(self.model, outcome.cache, outcome.logits[-1], prompt.numel(), config.max_new_tokens)
-        forwarded = outcome.replayed_tokens + len(question) if outcome.reused_tokens else prompt.numel()
+        forwarded = prompt.numel() - hit.length + outcome.replayed_tokens  # everything after the state's position
         return Answer(
             text="",
             tokens=tokens,

@@ -4,16 +4,25 @@
 - `longbench`: LongBench v1's 21 datasets read from a local copy, with the official templates.
 - `prefix`: long shared documents with several diverging questions each (prefix reuse).
 - `multi-turn`: conversations whose every turn extends the last; each turn hits the previous prompt.
+- `rag`: retrieved passages, each encoded on its own, concatenated into a new prompt.
+- `agent-reports`: sub-agents' reports, each encoded when it was written, gathered for a question
+  that needs two of them.
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
 A `Sample` splits a prompt in two: `context` is the question-blind document a method may cache
 ahead of time, `question` is what follows it (the query and the answer prefix). The full prompt
 is always `context + question`.
+
+The position-independent workloads (`rag`, `agent-reports`) also set `chunks`: the context cut
+into the pieces that were encoded separately (`"".join(chunks) == context`). The runner tokenises
+each piece alone and hands a method one cache per piece, the way a serving engine meets them; a
+prefix-reuse method can only use the first (the shared instructions) and recomputes the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -26,9 +35,34 @@ class Sample:
     question: str  # what follows the context: the query, with the answer prefix
     golds: list[str]
     meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
+    chunks: list[str] = field(default_factory=list)  # position-independent pieces of `context`, or none
+
+    def segments(self) -> list[str]:
+        """The separately cached pieces of the context: its chunks, or the whole context."""
+        return self.chunks or [self.context]
 
 
-WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn")
+WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports")
+
+
+def largest_fitting(fits: Callable[[int], bool], high: int) -> int:
+    """The largest size in [0, high] for which `fits` holds (0 if none), assuming it holds up to
+    some size and fails beyond it: a binary search on a haystack's size."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def place_sentence(words: list[str], sentence: str, depth: float) -> str:
+    """`words` joined as text with `sentence` put at the sentence boundary nearest `depth` (0–1)."""
+    bounds = [0] + [i + 1 for i, word in enumerate(words) if word.endswith(".")]
+    cut = min(bounds, key=lambda b: abs(b - depth * len(words)))
+    return " ".join([*words[:cut], sentence, *words[cut:]])
 
 
 def workload_module(name: str):
@@ -48,4 +82,4 @@ def score_row(row: dict) -> float:
     return workload_module(row["workload"]).score(row["task"], row["prediction"], row["golds"], row.get("score_meta"))
 
 
-__all__ = ["WORKLOADS", "Sample", "score_row", "workload_module"]
+__all__ = ["WORKLOADS", "Sample", "largest_fitting", "place_sentence", "score_row", "workload_module"]

@@ -19,6 +19,12 @@ from hybridkv.errors import HybridKVError
 from hybridkv.eval.workloads import Sample
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+# Fields added later have defaults, so workloads frozen before them still load.
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Sample)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
 
 
 def _checksum_path(path: str | os.PathLike) -> Path:
@@ -81,7 +87,7 @@ def load_frozen(path: str | os.PathLike) -> list[Sample]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise HybridKVError(f"{path}:{number}: not JSON ({err.msg})") from err
-        if not isinstance(record, dict) or set(record) != set(_FIELDS):
+        if not isinstance(record, dict) or not set(_REQUIRED) <= set(record) <= set(_FIELDS):
             raise HybridKVError(f"{path}:{number}: not a sample (fields {', '.join(_FIELDS)})")
         samples.append(Sample(**record))
     return samples

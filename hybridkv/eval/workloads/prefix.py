@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from hybridkv.eval.scoring import string_match_all
-from hybridkv.eval.workloads import Sample
+from hybridkv.eval.workloads import Sample, largest_fitting
 from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_words
 
 TASKS = ("prefix",)
@@ -35,6 +35,12 @@ def _document(words: list[str], facts: list[tuple[str, str]]) -> str:
     return "Read the document below; questions about it follow.\n\n" + " ".join(p for p in pieces if p)
 
 
+def _fitted_document(facts: list[tuple[str, str]], budget: int, tokenizer) -> str:
+    """The document with the most essay words that still fits `budget` tokens (words are ≥ 1 token)."""
+    words = largest_fitting(lambda w: len(tokenizer.encode(_document(essay_words(w), facts))) <= budget, budget)
+    return _document(essay_words(words), facts)
+
+
 def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path: str | None = None) -> list[Sample]:
     """`n` questions on ceil(n / 8) documents, each prompt (document + question + answer) ≤ `length` tokens."""
     if task != "prefix":
@@ -46,14 +52,7 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
         facts = [(key, str(rng.randrange(1_000_000, 10_000_000))) for key in keys]
         longest_question = max(len(tokenizer.encode(_QUESTION.format(key=key))) for key in keys)
         budget = length - TOKENS_TO_GENERATE["prefix"] - longest_question
-        low, high = 0, max(1, budget)  # words are at least one token each: `budget` words always overflow
-        while low < high:  # the most essay words whose document still fits
-            mid = (low + high + 1) // 2
-            if len(tokenizer.encode(_document(essay_words(mid), facts))) <= budget:
-                low = mid
-            else:
-                high = mid - 1
-        context = _document(essay_words(low), facts)
+        context = _fitted_document(facts, budget, tokenizer)
         context_tokens = len(tokenizer.encode(context))
         if context_tokens > budget:
             raise ValueError(f"prefix: {length} tokens cannot hold {FACTS_PER_DOCUMENT} facts and a question")

@@ -319,6 +319,15 @@ def essay_words(n: int) -> list[str]:
     return _ESSAY.take(n)
 
 
+def essay_passage(start: int, n: int) -> list[str]:
+    """The whole sentences among the essay's words [start, start + n): a passage of it that
+    neither starts nor ends mid-sentence (shorter than n words by the cut-off ends)."""
+    words = essay_words(start + n)[start:]
+    ends = [i + 1 for i, word in enumerate(words) if word.endswith(".")]
+    first = 0 if start == 0 or essay_words(start)[-1].endswith(".") else (ends[0] if ends else len(words))
+    return words[first : ends[-1]] if ends and ends[-1] > first else []
+
+
 def _sentences(words: list[str]) -> list[str]:
     """Words back into sentences (RULER: nltk's sent_tokenize); a cut-off last one stays."""
     out, current = [], []
@@ -1000,6 +1009,7 @@ __all__ = [
     "TOKENS_TO_GENERATE",
     "MissingDataError",
     "Sample",
+    "essay_passage",
     "essay_words",
     "generate",
 ]
