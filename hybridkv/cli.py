@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.eval.workloads import WORKLOADS
 from hybridkv.models.tiny import DEFAULT_MODEL, TINY_MODELS
 
 
@@ -100,9 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--workload",
         default="ruler",
-        choices=["ruler", "longbench", "prefix", "multi-turn"],
+        choices=WORKLOADS,
         help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
-        "multi-turn (each turn extends the last)",
+        "multi-turn (each turn extends the last), rag (retrieved passages, each cached alone), "
+        "agent-reports (sub-agents' reports, each cached alone; the answer needs two)",
     )
     run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
     run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")
