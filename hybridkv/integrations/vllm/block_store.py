@@ -1,0 +1,221 @@
+"""Prefixes in a hybridkv store, in vLLM's own block layout: the connector's bytes, without vLLM.
+
+vLLM's CPU attention keeps each block packed in an ISA-specific layout, so a block is stored and
+restored whole, as opaque bytes, per attention layer. Blocks are keyed as hybridkv keys KV chunks
+(`kv_chunk_key`): by the exact prefix before the block and its first token, with the block's
+tokens inside the entry, so a lookup compares tokens and matches to the exact token even inside
+a block. Linear layers' states are stored as raw pages too, as an exact checkpoint after a saved
+prompt's last token; the block entry holding that position records it, so a lookup knows which
+checkpoints to ask for without probing every position.
+
+Every read is verified (codec checksum, model fingerprint, key, layout); anything missing or bad
+just shortens the match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, state_key
+from hybridkv.methods import Budget
+from hybridkv.store.codec import CorruptEntry, Entry, decode, encode
+from hybridkv.store.guarded import GuardedStore
+
+Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
+
+
+@dataclass
+class BlockMatch:
+    """The longest stored prefix of a prompt, block by block."""
+
+    length: int = 0  # tokens matched, at token granularity
+    blocks: list[Pages] = field(default_factory=list)  # pages of the blocks covering [0, length)
+    checkpoints: list[int] = field(default_factory=list)  # positions ≤ length with a stored state
+
+
+@dataclass
+class Resume:
+    """Where vLLM resumes a prompt: KV of [0, start) is loaded; linear states are `states` at
+    `start` (an exact checkpoint) or zero (None), and vLLM prefills [start, end) itself."""
+
+    matched: int
+    start: int
+    blocks: list[Pages]
+    states: Pages | None
+
+
+def choose_start(matched: int, budget: Budget, checkpoints: list[int]) -> tuple[int, bool]:
+    """The replay start s for a match of `matched` tokens: an exact checkpoint within the replay
+    budget if there is one (the latest), else `matched - t` with zero states."""
+    floor = matched - budget.tail_tokens(matched)
+    exact = [p for p in checkpoints if floor <= p <= matched]
+    return (max(exact), True) if exact else (floor, False)
+
+
+class BlockStore:
+    def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.keys = PrefixKeys(fingerprint, salt, block_size)
+
+    def block_keys(self, tokens: list[int]) -> list[str]:
+        chain = self.keys.chain(tokens)
+        return [kv_chunk_key(chain[i], tokens[start]) for i, start in enumerate(range(0, len(tokens), self.block_size))]
+
+    def state_key(self, tokens: list[int], position: int) -> str:
+        return state_key(self.keys.prefix(tokens, position))
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def save_blocks(self, tokens: list[int], first: int, pages: list[Pages], state_at: int | None = None) -> int:
+        """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
+        stored at that position (inside the last block). Returns how many writes succeeded."""
+        keys = self.block_keys(tokens)
+        written = 0
+        for index, block in enumerate(pages, start=first):
+            start = index * self.block_size
+            end = min(start + self.block_size, len(tokens))
+            meta = {"start": start, "tokens": tokens[start:end]}
+            if state_at is not None and start < state_at <= end:
+                meta["checkpoint"] = state_at
+            written += self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block)))
+        return written
+
+    def save_state(self, tokens: list[int], position: int, pages: Pages) -> bool:
+        key = self.state_key(tokens, position)
+        return self.store.put(key, encode(Entry("vllm-state", self.fingerprint, key, {"position": position}, pages)))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _read(self, key: str, kind: str) -> Entry | None:
+        data = self.store.get(key)
+        if data is None:
+            return None
+        try:
+            entry = decode(data, key=key, fingerprint=self.fingerprint)
+            if entry.kind != kind:
+                raise CorruptEntry(f"expected a {kind} entry, found {entry.kind}")
+            return entry
+        except CorruptEntry as err:
+            self.store.corrupt(key, str(err))
+            return None
+
+    def match(self, tokens: list[int], layout: dict[str, int]) -> BlockMatch:
+        """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
+        `layout` maps each attention layer to its block's byte size; entries that disagree are corrupt."""
+        limit = len(tokens) - 1
+        wanted = np.asarray(tokens[:limit], dtype=np.int64)
+        found = BlockMatch()
+        for index, key in enumerate(self.block_keys(tokens[:limit])):
+            entry = self._read(key, "vllm-kv")
+            if entry is None:
+                break
+            stored = entry.meta.get("tokens")
+            if not isinstance(stored, list) or dict(_sizes(entry.tensors)) != layout:
+                self.store.corrupt(key, "block does not match this engine's attention layout")
+                break
+            start = index * self.block_size
+            ours = wanted[start : start + len(stored)]
+            differ = np.flatnonzero(np.asarray(stored[: len(ours)], dtype=np.int64) != ours)
+            common = int(differ[0]) if len(differ) else len(ours)
+            if common == 0:
+                break
+            found.blocks.append(entry.tensors)
+            found.length = start + common
+            checkpoint = entry.meta.get("checkpoint")
+            if isinstance(checkpoint, int) and start < checkpoint <= found.length:
+                found.checkpoints.append(checkpoint)
+            if common < self.block_size:
+                break
+        return found
+
+    def resume(self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget) -> Resume:
+        """Everything needed to resume `tokens`: the match, the start, the pages to load."""
+        found = self.match(tokens, layout)
+        start, exact = choose_start(found.length, budget, found.checkpoints)
+        states = None
+        if exact:
+            entry = self._read(self.state_key(tokens, start), "vllm-state")
+            if entry is not None and dict(_sizes(entry.tensors)) == state_layout:
+                states = entry.tensors
+            else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
+                if entry is not None:
+                    self.store.corrupt(self.state_key(tokens, start), "state does not match this engine's layout")
+                start, _ = choose_start(found.length, budget, [])
+        blocks = found.blocks[: -(-start // self.block_size)] if start else []
+        return Resume(found.length, start, blocks, states)
+
+
+def _sizes(pages: Pages) -> list[tuple[str, int]]:
+    return [(name, int(page.numel() * page.element_size())) for name, page in pages.items()]
+
+
+# -- staging: the scheduler hands verified pages to the worker through a local file -------------
+#
+# vLLM 0.32 cannot recover from a failed synchronous load on a model with several KV-cache groups
+# (the scheduler raises), so the connector claims tokens only once their bytes are safely local:
+# the scheduler reads and verifies them from the store, writes them here, and the worker reads
+# them back just before the forward pass.
+
+_STAGE = b"HKVS"
+
+
+def write_staged(path: Path, resume: Resume) -> None:
+    blocks = [encode(Entry("staged-block", "", str(i), {}, pages)) for i, pages in enumerate(resume.blocks)]
+    states = encode(Entry("staged-states", "", "states", {}, resume.states)) if resume.states is not None else b""
+    header = json.dumps({"start": resume.start, "blocks": [len(b) for b in blocks], "states": len(states)}).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join([_STAGE, struct.pack("<I", len(header)), header, *blocks, states]))
+    tmp.replace(path)
+
+
+def read_staged(path: Path) -> tuple[int, list[Pages], Pages | None]:
+    """(start, block pages, states or None) from a staged file; raises CorruptEntry if unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CorruptEntry(f"staged pages unreadable ({err})") from err
+    if data[:4] != _STAGE:
+        raise CorruptEntry("not a staged-pages file")
+    (length,) = struct.unpack_from("<I", data, 4)
+    header = json.loads(data[8 : 8 + length])
+    offset, blocks = 8 + length, []
+    for index, size in enumerate(header["blocks"]):
+        blocks.append(decode(data[offset : offset + size], key=str(index), fingerprint="").tensors)
+        offset += size
+    states = None
+    if header["states"]:
+        states = decode(data[offset : offset + header["states"]], key="states", fingerprint="").tensors
+    return header["start"], blocks, states
+
+
+def engine_fingerprint(model: str, layout: list[tuple[str, int, int, list[str]]], dtype: str) -> str:
+    """Binds cached bytes to one model and one vLLM cache layout, cheaply enough for any size.
+
+    `layout` lists each KV-cache group as (spec class, block size, page bytes, layer names). For
+    a local checkpoint the config and every weight file's name, size and first and last MiB are
+    hashed — not all weights: a 320B model cannot be hashed on each start.
+    """
+    digest = hashlib.sha256()
+    digest.update(json.dumps([layout, dtype], sort_keys=True).encode())
+    path = Path(model)
+    if path.is_dir():
+        for file in sorted(path.iterdir()):
+            if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
+                size = file.stat().st_size
+                digest.update(f"{file.name}:{size}".encode())
+                with file.open("rb") as f:
+                    digest.update(f.read(1 << 20))
+                    f.seek(max(0, size - (1 << 20)))
+                    digest.update(f.read(1 << 20))
+    else:
+        digest.update(model.encode())
+    return digest.hexdigest()
