@@ -42,7 +42,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import (
     BlockStore,
-    Pages,
     engine_fingerprint,
     read_staged,
     write_staged,
