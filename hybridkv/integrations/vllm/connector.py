@@ -14,7 +14,9 @@ replay. When a prompt's prefill completes, its new attention blocks and its fina
 
 Extra config: `store` (a hybridkv store URL, default a file store under the temp dir — shared by
 the engine's processes), `replay_budget` (fraction of the match, or "256tok"; default 0.05),
-`cache_salt` (tenant namespace), `save_states` (default true), `stage_dir`.
+`cache_salt` (tenant namespace), `save_states` (default true), `stage_dir`. A request may set its own
+budget: `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each finished
+request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in `RequestOutput.kv_transfer_params`.
 
 Needs `enable_prefix_caching=False`: with vLLM's own hybrid prefix cache on, the state slot the
 connector writes would be hashed as vLLM's exact state at s.
@@ -42,6 +44,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import (
     BlockStore,
+    Resume,
     engine_fingerprint,
     read_staged,
     write_staged,
@@ -150,9 +153,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         resume = self._resumes.get(request.request_id)
         if resume is None:
             attention, states = self._layouts()
-            resume = self.blocks.resume(list(request.prompt_token_ids), attention, states, self.budget)
+            budget = self._request_budget(request)
+            try:
+                resume = self.blocks.resume(list(request.prompt_token_ids), attention, states, budget)
+            except Exception:  # never take the engine down over a cache: recompute instead
+                log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
+                resume = Resume(0, 0, [], None)
             self._resumes[request.request_id] = resume
         return resume.start, False
+
+    def _request_budget(self, request) -> Budget:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if "replay_budget" not in params:
+            return self.budget
+        try:
+            return Budget.parse(str(params["replay_budget"]))
+        except HybridKVError as err:
+            log.warning("hybridkv: request %s: %s; using the engine's budget %s", request.request_id, err, self.budget)
+            return self.budget
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         resume = self._resumes.get(request.request_id)
@@ -267,20 +285,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, HybridKVMetadata):
             return
         for save in meta.saves:
-            pages = [
-                {layer: self._page(layer, block).clone() for layer in self.attention_layers}
-                for block in save.attention_blocks[save.first_block :]
-            ]
-            state_at = None
-            if save.state_slots:
-                states = {
-                    layer: self._page(layer, slot).clone()
-                    for group, slot in save.state_slots.items()
-                    for layer in self.mamba_groups[group]
-                }
-                if self.blocks.save_state(save.tokens, len(save.tokens), states):
-                    state_at = len(save.tokens)
-            self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at)
+            try:
+                self._save(save)
+            except Exception:  # a cache that cannot be written costs reuse later, never this request
+                log.exception("hybridkv: saving a prompt of %d tokens failed", len(save.tokens))
+
+    def _save(self, save: SaveOp) -> None:
+        pages = [
+            {layer: self._page(layer, block).clone() for layer in self.attention_layers}
+            for block in save.attention_blocks[save.first_block :]
+        ]
+        state_at = None
+        if save.state_slots:
+            states = {
+                layer: self._page(layer, slot).clone()
+                for group, slot in save.state_slots.items()
+                for layer in self.mamba_groups[group]
+            }
+            if self.blocks.save_state(save.tokens, len(save.tokens), states):
+                state_at = len(save.tokens)
+        self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -1,0 +1,98 @@
+"""The vLLM connector's bytes without vLLM: block entries, token-level matching, replay starts,
+checkpoints, corrupt entries and staging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.integrations.vllm.block_store import BlockStore, choose_start, read_staged, write_staged
+from hybridkv.methods import Budget
+from hybridkv.store.codec import CorruptEntry
+from hybridkv.store.guarded import GuardedStore
+from hybridkv.store.memory import MemoryStore
+
+BLOCK = 16
+LAYOUT = {"attn.0": 64, "attn.1": 64}
+STATES = {"gdn.0": 40}
+
+
+def pages_for(tokens: list[int], first: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Block pages whose bytes say which tokens they hold, so a load can be checked exactly."""
+    out = []
+    for start in range(first * BLOCK, len(tokens), BLOCK):
+        seed = sum(tokens[start : start + BLOCK]) + start
+        out.append({name: torch.arange(seed, seed + 64, dtype=torch.int64).to(torch.uint8) for name in LAYOUT})
+    return out
+
+
+@pytest.fixture
+def blocks() -> BlockStore:
+    return BlockStore(GuardedStore(MemoryStore()), "ab" * 32, BLOCK)
+
+
+def test_choose_start_prefers_an_exact_checkpoint_inside_the_budget():
+    assert choose_start(1000, Budget(fraction=0.05), []) == (950, False)
+    assert choose_start(1000, Budget(fraction=0.05), [960, 990, 1200]) == (990, True)
+    assert choose_start(1000, Budget(fraction=0.05), [900]) == (950, False)  # outside the budget
+    assert choose_start(1000, Budget(fraction=1.0), []) == (0, False)
+    assert choose_start(100, Budget(tokens=256), []) == (0, False)
+
+
+def test_matching_is_token_level_inside_a_block_and_never_takes_the_last_token(blocks):
+    stored = list(range(3, 3 + 50))  # 3 full blocks and a partial one
+    assert blocks.save_blocks(stored, 0, pages_for(stored)) == 4
+    diverging = stored[:37] + [999] * 20
+    found = blocks.match(diverging, LAYOUT)
+    assert found.length == 37 and len(found.blocks) == 3
+    assert [b["attn.0"].tolist() for b in found.blocks] == [p["attn.0"].tolist() for p in pages_for(stored)[:3]]
+    assert blocks.match(stored, LAYOUT).length == 49  # one token is always left to compute
+    assert blocks.match([7] + stored[1:], LAYOUT).length == 0
+
+
+def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
+    prompt = list(range(5, 45))
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    assert blocks.save_state(prompt, len(prompt), state)
+    blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    longer = prompt + [1, 2, 3]
+    resume = blocks.resume(longer, LAYOUT, STATES, Budget(fraction=0.05))
+    assert (resume.matched, resume.start) == (40, 40)
+    assert torch.equal(resume.states["gdn.0"], state["gdn.0"]) and len(resume.blocks) == 3
+    # Without the state entry the same hit falls back to a zero-state tail replay.
+    blocks.store.delete(blocks.state_key(prompt, len(prompt)))
+    resume = blocks.resume(longer, LAYOUT, STATES, Budget(fraction=0.05))
+    assert (resume.start, resume.states) == (38, None) and len(resume.blocks) == 3
+
+
+def test_corrupt_or_foreign_entries_shorten_the_match_and_are_removed(blocks):
+    prompt = list(range(3, 60))
+    blocks.save_blocks(prompt, 0, pages_for(prompt))
+    keys = blocks.block_keys(prompt)
+    data = bytearray(blocks.store.get(keys[2]))
+    data[-40] ^= 0xFF
+    blocks.store.put(keys[2], bytes(data))
+    assert blocks.match(prompt + [1], LAYOUT).length == 2 * BLOCK
+    assert blocks.store.get(keys[2]) is None and blocks.store.stats()["corrupt"] == 1
+    assert blocks.match(prompt + [1], {"attn.0": 64}).length == 0  # another engine's layout
+    other = BlockStore(blocks.store, "cd" * 32, BLOCK)  # another model: its keys never meet ours
+    assert other.match(prompt + [1], LAYOUT).length == 0
+
+
+def test_staged_pages_round_trip_and_damage_is_an_error(blocks, tmp_path):
+    prompt = list(range(3, 40))
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    blocks.save_state(prompt, len(prompt), state)
+    blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    resume = blocks.resume(prompt + [9], LAYOUT, STATES, Budget(fraction=0.1))
+    path = tmp_path / "r.hkvs"
+    write_staged(path, resume)
+    start, staged_blocks, states = read_staged(path)
+    assert start == resume.start == len(prompt)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(staged_blocks, resume.blocks, strict=True) for n in LAYOUT)
+    assert torch.equal(states["gdn.0"], state["gdn.0"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptEntry):
+        read_staged(path)
