@@ -128,7 +128,51 @@ def _build_parser() -> argparse.ArgumentParser:
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
     report.add_argument("out", type=Path)
+    bench_vllm = commands.add_parser(
+        "vllm-bench",
+        help="TTFT and reuse inside vLLM: no cache vs vLLM's prefix cache vs HybridKVConnector",
+        description=(
+            "Sends requests that share one prefix (each with its own suffix) through three vLLM engines in turn: "
+            "no prefix caching, vLLM's own hybrid prefix cache, and vLLM with HybridKVConnector. Writes "
+            "OUT/summary.json and OUT/report.md: median TTFT, reused tokens per request, and first-token fidelity "
+            "against full prefill. Needs the vllm extra (pip install 'hybridkv[vllm]')."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench_vllm.add_argument(
+        "--model",
+        default="tiny-qwen3-next",
+        help="checkpoint directory vLLM can serve; tiny-qwen3-next writes a seeded random-weight one to OUT/model",
+    )
+    bench_vllm.add_argument("--prefix-lengths", type=_int_list, default="2048,8192", help="shared prefix lengths")
+    bench_vllm.add_argument("--requests", type=int, default=8, help="measured requests per prefix length")
+    bench_vllm.add_argument("--suffix-tokens", type=int, default=64, help="each request's own suffix")
+    bench_vllm.add_argument("--budget", default="0.05", help="hybridkv replay budget (fraction, or e.g. 256tok)")
+    bench_vllm.add_argument("--store", default=None, help="hybridkv store URL (default: a file store in OUT/store)")
+    bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
+    bench_vllm.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _vllm_bench(args: argparse.Namespace) -> None:
+    from hybridkv.methods import Budget
+
+    Budget.parse(args.budget)  # a bad budget fails before any engine starts
+    if args.requests < 1 or not args.prefix_lengths or min(args.prefix_lengths) < 1:
+        raise HybridKVError("--requests and every --prefix-lengths value must be positive")
+    try:
+        from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
+        from hybridkv.integrations.vllm.models import write_tiny_qwen3_next
+    except ImportError as err:
+        raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
+    model = args.model
+    if model == "tiny-qwen3-next":
+        model = str(write_tiny_qwen3_next(args.out / "model"))
+    elif not Path(model).is_dir():
+        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or tiny-qwen3-next)")
+    plan = BenchPlan(model, args.prefix_lengths, args.requests, args.suffix_tokens, args.budget, args.store)
+    run_bench(plan, args.out, show_progress=not args.no_progress)
+    print((args.out / "report.md").read_text())
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -290,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             _store(args)
         elif args.command == "arena":
             _arena(args)
+        elif args.command == "vllm-bench":
+            _vllm_bench(args)
     except HybridKVError as err:
         print(f"hybridkv: error: {err}", file=sys.stderr)
         return 2

@@ -3,6 +3,8 @@ checkpoints, corrupt entries and staging."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,3 +98,26 @@ def test_staged_pages_round_trip_and_damage_is_an_error(blocks, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptEntry):
         read_staged(path)
+
+
+def test_first_token_fidelity_from_top_k_logprobs():
+    from hybridkv.integrations.vllm.bench import first_token_fidelity
+
+    reference = {1: math.log(0.5), 2: math.log(0.3)}  # 0.2 left for every other token
+    assert first_token_fidelity(reference, dict(reference)) == (1.0, 0.0)
+    got = {2: math.log(0.6), 1: math.log(0.2)}  # 0.2 left as well
+    agree, kl = first_token_fidelity(reference, got)
+    expected = 0.5 * math.log(0.5 / 0.2) + 0.3 * math.log(0.3 / 0.6)  # the "other" buckets are equal
+    assert agree == 0.0 and kl == pytest.approx(expected)
+    # A reference token outside `got`'s top k is charged at most `got`'s smallest logprob.
+    _, bounded = first_token_fidelity({1: math.log(0.5), 3: math.log(0.4)}, {1: math.log(0.5), 2: math.log(0.1)})
+    assert bounded == pytest.approx(0.4 * math.log(0.4 / 0.1) + 0.1 * math.log(0.1 / 0.4))
+
+
+def test_vllm_bench_rejects_bad_options_before_starting_vllm(capsys):
+    from hybridkv.cli import main
+
+    assert main(["vllm-bench", "--budget", "2.0"]) == 2
+    assert "outside [0, 1]" in capsys.readouterr().err
+    assert main(["vllm-bench", "--model", "/nonexistent/model", "--prefix-lengths", "64"]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
