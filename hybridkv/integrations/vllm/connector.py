@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import (
@@ -55,12 +55,15 @@ from hybridkv.store.guarded import GuardedStore
 
 log = logging.getLogger("hybridkv.vllm")
 
+# KV-cache specs whose blocks hold plain per-token attention KV, restorable as whole blocks.
+_WHOLE_BLOCK_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
 
 @dataclass
 class LoadOp:
     req_id: str
     staged: str  # path of the staged pages
-    attention_blocks: list[int]  # the request's attention block ids covering [0, start)
+    attention_blocks: dict[int, list[int]]  # attention group -> its block ids covering [0, start)
     state_slots: dict[int, int]  # mamba group -> the request's state slot
 
 
@@ -68,7 +71,7 @@ class LoadOp:
 class SaveOp:
     tokens: list[int]
     first_block: int  # blocks before it were loaded from the store: not written again
-    attention_blocks: list[int]
+    attention_blocks: dict[int, list[int]]  # attention group -> the prompt's block ids
     state_slots: dict[int, int]
 
 
@@ -102,16 +105,25 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 
         groups = kv_cache_config.kv_cache_groups
-        self.attention_group = next(
-            (g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, FullAttentionSpec)), None
-        )
-        if self.attention_group is None:
+        self.attention_groups, self.mamba_groups = {}, {}
+        for g, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                self.mamba_groups[g] = list(group.layer_names)
+            elif type(spec) in _WHOLE_BLOCK_SPECS and getattr(spec, "tokens_per_state", 1) in (1, -1):
+                self.attention_groups[g] = list(group.layer_names)
+            else:  # sliding windows, ring buffers, pooled indexer caches: not restorable block by block yet
+                raise HybridKVError(
+                    f"HybridKVConnector cannot restore KV-cache group {g} ({type(spec).__name__}, layers "
+                    f"{', '.join(group.layer_names[:3])}...): it handles full-attention and Mamba-style state groups"
+                )
+        if not self.attention_groups:
             raise HybridKVError("HybridKVConnector: the model has no full-attention KV-cache group to reuse")
-        self.mamba_groups = {
-            g: group.layer_names for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec)
-        }
-        self.attention_layers = list(groups[self.attention_group].layer_names)
-        self.block_size = groups[self.attention_group].kv_cache_spec.block_size
+        sizes = {groups[g].kv_cache_spec.block_size for g in self.attention_groups}
+        if len(sizes) != 1:
+            raise HybridKVError(f"HybridKVConnector: attention groups with different block sizes {sorted(sizes)}")
+        self.block_size = sizes.pop()
+        self.attention_layers = [name for names in self.attention_groups.values() for name in names]
         spec_layout = [
             (type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, g.layer_names)
             for g in groups
@@ -143,7 +155,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             spec = groups[group].kv_cache_spec
             return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
 
-        attention = {name: size(self.attention_group) for name in self.attention_layers}
+        attention = {name: size(g) for g, names in self.attention_groups.items() for name in names}
         states = {name: size(g) for g, names in self.mamba_groups.items() for name in names}
         return attention, states
 
@@ -182,7 +194,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads[request.request_id] = LoadOp(
             request.request_id,
             str(path),
-            list(ids[self.attention_group][: len(resume.blocks)]),
+            {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
             {g: ids[g][0] for g in self.mamba_groups},
         )
 
@@ -225,7 +237,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             SaveOp(
                 tracked.tokens,
                 tracked.first_block,
-                tracked.block_ids[self.attention_group][:blocks],
+                {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
                 {g: tracked.block_ids[g][0] for g in self.mamba_groups} if self.save_states else {},
             )
         )
@@ -266,9 +278,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             path = Path(load.staged)
             _, blocks, states = read_staged(path)  # written and verified by the scheduler just before
             path.unlink(missing_ok=True)
-            for block, pages in zip(load.attention_blocks, blocks, strict=True):
-                for layer in self.attention_layers:
-                    self._page(layer, block).copy_(pages[layer])
+            for group, ids in load.attention_blocks.items():
+                for block, pages in zip(ids, blocks, strict=True):
+                    for layer in self.attention_groups[group]:
+                        self._page(layer, block).copy_(pages[layer])
             for group, slot in load.state_slots.items():
                 for layer in self.mamba_groups[group]:
                     page = self._page(layer, slot)
@@ -291,9 +304,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.exception("hybridkv: saving a prompt of %d tokens failed", len(save.tokens))
 
     def _save(self, save: SaveOp) -> None:
+        count = len(next(iter(save.attention_blocks.values())))
         pages = [
-            {layer: self._page(layer, block).clone() for layer in self.attention_layers}
-            for block in save.attention_blocks[save.first_block :]
+            {
+                layer: self._page(layer, save.attention_blocks[group][index]).clone()
+                for group, layers in self.attention_groups.items()
+                for layer in layers
+            }
+            for index in range(save.first_block, count)
         ]
         state_at = None
         if save.state_slots:
