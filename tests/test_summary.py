@@ -31,6 +31,17 @@ def test_retention_and_pgr_are_computed_per_setting():
     assert summary[("no-context", None)]["pgr"] == pytest.approx(0.0)
 
 
+def test_same_as_full_counts_answers_identical_to_full_prefill():
+    rows = [
+        row(0, "full", 0.0), row(1, "full", 0.0), row(2, "full", 0.0),
+        {**row(0, "zero-state", 0.0), "prediction": "something else"}, row(1, "zero-state", 0.0),
+        row(2, "zero-state", 0.0),
+    ]  # fmt: skip
+    summary = {r["method"]: r for r in summarise(rows)["rows"]}
+    assert summary["zero-state"]["same_as_full"] == pytest.approx(2 / 3)
+    assert summary["full"]["same_as_full"] == 1.0
+
+
 def test_pgr_is_undefined_when_the_oracle_does_not_beat_the_floor():
     rows = [row(0, "no-context", 0.5), row(0, "full", 0.5), row(0, "zero-state", 0.5)]
     for summary_row in summarise(rows)["rows"]:

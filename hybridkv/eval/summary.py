@@ -2,7 +2,8 @@
 
 For each (workload, task, length, method, budget): n, mean score, retention against full
 prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
-full-prefill oracle on the same samples — with a paired bootstrap 95% CI, plus the cost means
+full-prefill oracle on the same samples — with a paired bootstrap 95% CI, the share of answers
+identical to full prefill's (`same_as_full`), plus the cost means
 (token and byte counts) and medians (times).
 """
 
@@ -58,6 +59,11 @@ def summarise(rows: list[dict]) -> dict:
                 if any(i in oracle for i in ids)
                 else None,
                 "pgr": pgr(statistics.fmean(method_scores), floor_mean, oracle_mean) if paired else None,
+                # How often the method answers exactly as full prefill did: telling even where the
+                # task scores sit at the floor (the random-weight tiny models).
+                "same_as_full": statistics.fmean(samples[i]["prediction"] == oracle[i]["prediction"] for i in matched)
+                if (matched := [i for i in ids if i in oracle])
+                else None,
                 "pgr_ci95": list(ci)
                 if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))
                 else None,
