@@ -18,7 +18,7 @@ from hybridkv.cache.prefix_cache import Hit
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates
 from hybridkv.models.describe import token_tensors
 from hybridkv.models.loader import HybridModel
-from hybridkv.store.codec import CorruptEntry, Entry, decode, encode
+from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
 DEFAULT_CHUNK_TOKENS = 64
@@ -76,17 +76,7 @@ class StoredPrefixCache:
     # -- reading -----------------------------------------------------------------------------
 
     def _read(self, key: str, kind: str) -> Entry | None:
-        data = self.store.get(key)
-        if data is None:
-            return None
-        try:
-            entry = decode(data, key=key, fingerprint=self.fingerprint)
-            if entry.kind != kind:
-                raise CorruptEntry(f"expected a {kind} entry, found {entry.kind}")
-            return entry
-        except CorruptEntry as err:
-            self.store.corrupt(key, str(err))
-            return None
+        return self.store.read_entry(key, kind, self.fingerprint)
 
     def _kv_chunk(self, key: str) -> tuple[list[int], dict[int, dict[str, torch.Tensor]]] | None:
         entry = self._read(key, "kv")

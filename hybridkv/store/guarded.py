@@ -13,6 +13,7 @@ import time
 from collections import Counter
 
 from hybridkv.store.base import Store, StoreError
+from hybridkv.store.codec import CorruptEntry, Entry, decode
 
 log = logging.getLogger("hybridkv.store")
 
@@ -80,6 +81,21 @@ class GuardedStore:
         self.counts["corrupt"] += 1
         self._log_once("corrupt", f"entry {key[:16]}… rejected ({reason}); removed")
         self.delete(key)
+
+    def read_entry(self, key: str, kind: str, fingerprint: str) -> Entry | None:
+        """The verified entry of `kind` under `key`, or None — missing, unreachable, or corrupt
+        (then removed)."""
+        data = self.get(key)
+        if data is None:
+            return None
+        try:
+            entry = decode(data, key=key, fingerprint=fingerprint)
+            if entry.kind != kind:
+                raise CorruptEntry(f"expected a {kind} entry, found {entry.kind}")
+            return entry
+        except CorruptEntry as err:
+            self.corrupt(key, str(err))
+            return None
 
     def stats(self) -> dict:
         return dict(self.counts)

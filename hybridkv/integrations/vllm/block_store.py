@@ -96,17 +96,7 @@ class BlockStore:
     # -- reading -----------------------------------------------------------------------------
 
     def _read(self, key: str, kind: str) -> Entry | None:
-        data = self.store.get(key)
-        if data is None:
-            return None
-        try:
-            entry = decode(data, key=key, fingerprint=self.fingerprint)
-            if entry.kind != kind:
-                raise CorruptEntry(f"expected a {kind} entry, found {entry.kind}")
-            return entry
-        except CorruptEntry as err:
-            self.store.corrupt(key, str(err))
-            return None
+        return self.store.read_entry(key, kind, self.fingerprint)
 
     def match(self, tokens: list[int], layout: dict[str, int]) -> BlockMatch:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
