@@ -8,6 +8,10 @@ import os
 # waiting make every forward pass up to ~100x slower. Passive waiting must be set before
 # torch (and its OpenMP runtime) is loaded.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# vLLM and LMCache report usage to their authors' servers by default; tests stay on this machine.
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

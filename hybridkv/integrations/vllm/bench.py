@@ -97,6 +97,7 @@ def _engine(plan: BenchPlan, config: str, max_len: int, store: str):
 def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     # vLLM's CPU backend otherwise reserves most of the machine's memory for its KV cache.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a benchmark reports to nobody
     from vllm import SamplingParams
 
     out.mkdir(parents=True, exist_ok=True)
