@@ -30,7 +30,6 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -123,7 +122,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if len(sizes) != 1:
             raise HybridKVError(f"HybridKVConnector: attention groups with different block sizes {sorted(sizes)}")
         self.block_size = sizes.pop()
-        self.attention_layers = [name for names in self.attention_groups.values() for name in names]
         spec_layout = [
             (type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, g.layer_names)
             for g in groups
@@ -135,7 +133,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.store_url = url
         # scheduler side
-        self._resumes: dict[str, Any] = {}
+        self._resumes: dict[str, Resume] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
         # worker side
