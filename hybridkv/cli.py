@@ -128,6 +128,27 @@ def _build_parser() -> argparse.ArgumentParser:
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
     report.add_argument("out", type=Path)
+    plan = commands.add_parser(
+        "plan",
+        help="cache memory and predicted TTFT speedups per caching scheme, from a model's config alone",
+        description=(
+            "From a config alone (no weights): attention KV bytes per token, linear-state bytes per checkpoint, "
+            "the cache memory of checkpoint-every-B schemes vs tail-replay for a workload, and the speedup over "
+            "full prefill that the FLOP cost model predicts for each method (an upper bound)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    plan.add_argument(
+        "--model", default="glm-5.3-flash", help="glm-5.3-flash, a built-in tiny model, or a checkpoint dir"
+    )
+    plan.add_argument("--prefix-lengths", type=_int_list, default="8192,16384,32768", help="matched prefix lengths")
+    plan.add_argument("--suffix-tokens", type=int, default=64, help="new tokens after the matched prefix")
+    plan.add_argument("--budgets", default="0.02,0.05,0.1", help="tail-replay budgets (fractions or e.g. 256tok)")
+    plan.add_argument("--intervals", type=_int_list, default="1024,3584", help="checkpoint intervals B to compare")
+    plan.add_argument("--rate", type=float, default=1.0, help="new distinct prefixes per second")
+    plan.add_argument("--retention", type=float, default=600.0, help="seconds each prefix is kept")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
     bench_vllm = commands.add_parser(
         "vllm-bench",
         help="TTFT and reuse inside vLLM: no cache vs vLLM's prefix cache vs HybridKVConnector",
@@ -152,6 +173,25 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
     bench_vllm.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from hybridkv.methods import Budget
+    from hybridkv.models.plan import Workload, make_plan, plan_table
+
+    budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+    for budget in budgets:
+        Budget.parse(budget)
+    if min(args.prefix_lengths) < 1 or args.suffix_tokens < 1 or min(args.intervals) < 1:
+        raise HybridKVError("prefix lengths, suffix tokens and intervals must be positive")
+    if args.rate < 0 or args.retention < 0:
+        raise HybridKVError("--rate and --retention must not be negative")
+    workload = Workload(tuple(args.prefix_lengths), args.suffix_tokens, args.rate, args.retention, budgets,
+                        tuple(args.intervals))  # fmt: skip
+    plan = make_plan(args.model, workload)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan_table(plan, workload))
 
 
 def _vllm_bench(args: argparse.Namespace) -> None:
@@ -334,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             _store(args)
         elif args.command == "arena":
             _arena(args)
+        elif args.command == "plan":
+            _plan(args)
         elif args.command == "vllm-bench":
             _vllm_bench(args)
     except HybridKVError as err:

@@ -1,0 +1,157 @@
+"""`hybridkv plan`: what each caching scheme costs a deployment, from a model's config alone.
+
+For a workload — prefix lengths, how many new distinct prefixes arrive per second, how long each
+is kept — it gives the cache memory of
+
+- `checkpoint-every-B`: attention KV of every token plus the linear states every B tokens (vLLM's
+  hybrid prefix cache is B = its block size: 3,584 tokens for GLM-5.3-Flash);
+- `tail-replay`: attention KV only (states are rebuilt by replaying a tail on a hit);
+
+and, per method, the tokens recomputed on a hit and the speedup over full prefill that the cost
+model (`hybridkv.models.cost`) predicts — an upper bound, since it counts FLOPs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hybridkv.errors import HybridKVError
+from hybridkv.methods import Budget
+from hybridkv.models.cost import cost_model
+
+GLM_5_3_FLASH = "glm-5.3-flash"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prefix_lengths: tuple[int, ...] = (8192, 16384, 32768)
+    suffix_tokens: int = 64
+    new_prefixes_per_s: float = 1.0
+    retention_s: float = 600.0
+    budgets: tuple[str, ...] = ("0.02", "0.05", "0.1")
+    intervals: tuple[int, ...] = (1024, 3584)
+
+
+@dataclass
+class Plan:
+    model: str
+    kv_bytes_per_token: int
+    state_bytes_per_checkpoint: int
+    linear_layers: int
+    attention_layers: int
+    schemes: list[dict] = field(default_factory=list)
+    predictions: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_config(model: str, dtype_bytes: int = 2):
+    """A config without weights: GLM-5.3-Flash's defaults, a built-in tiny model's, or a checkpoint's."""
+    from pathlib import Path
+
+    if model == GLM_5_3_FLASH:
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+        return Glm5NextTextConfig()
+    from hybridkv.models.tiny import TINY_MODELS
+
+    if model in TINY_MODELS:
+        return TINY_MODELS[model]()
+    if Path(model).is_dir():
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(model).get_text_config()
+        except (OSError, ValueError, KeyError) as err:
+            raise HybridKVError(f"{model}: cannot read its config ({err})") from err
+    raise HybridKVError(f"unknown model {model!r}: {GLM_5_3_FLASH}, a built-in tiny model, or a checkpoint directory")
+
+
+def cache_sizes(config, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> tuple[int, int, int, int]:
+    """(KV bytes per token, state bytes per checkpoint, linear layers, attention layers)."""
+    kinds = list(config.layer_types)
+    if config.model_type in ("glm5_next", "glm5_next_text"):
+        from hybridkv.models.glm5 import Glm5CacheSizes
+
+        sizes = Glm5CacheSizes.from_config(config, dtype_bytes, state_dtype_bytes)
+        return sizes.kv_bytes_per_token, sizes.state_bytes_per_checkpoint, sizes.linear_layers, sizes.attention_layers
+    if config.model_type == "qwen3_next":
+        linear, attention = kinds.count("linear_attention"), kinds.count("full_attention")
+        kv = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        conv = (2 * hk * dk + hv * dv) * config.linear_conv_kernel_dim * dtype_bytes
+        recurrent = hv * dk * dv * state_dtype_bytes
+        return kv * attention, (conv + recurrent) * linear, linear, attention
+    raise HybridKVError(f"no cache-size formulas for model type {config.model_type!r} yet")
+
+
+def make_plan(model: str, workload: Workload = Workload()) -> Plan:
+    config = load_config(model)
+    kv_per_token, state_per_checkpoint, linear, attention = cache_sizes(config)
+    costs = cost_model(config)
+    plan = Plan(model, kv_per_token, state_per_checkpoint, linear, attention)
+    kept = workload.new_prefixes_per_s * workload.retention_s  # distinct prefixes held at once
+    for length in workload.prefix_lengths:
+        kv = length * kv_per_token
+        plan.schemes.append(
+            {"scheme": "tail-replay", "prefix_length": length, "bytes_per_prefix": kv, "total_bytes": kv * kept}
+        )
+        for interval in workload.intervals:
+            per_prefix = kv + (length // interval) * state_per_checkpoint
+            plan.schemes.append(
+                {
+                    "scheme": f"checkpoint-every-{interval}",
+                    "prefix_length": length,
+                    "bytes_per_prefix": per_prefix,
+                    "total_bytes": per_prefix * kept,
+                }
+            )
+        prompt = length + workload.suffix_tokens
+        starts: list[tuple[str, str | None, int]] = [("full", None, 0), ("zero-state", None, length)]
+        starts += [(f"checkpoint-every-{b}", None, length // b * b) for b in workload.intervals]
+        for text in workload.budgets:
+            budget = Budget.parse(text)
+            starts.append(("tail-replay", text, length - budget.tail_tokens(length)))
+        for method, budget, start in starts:
+            plan.predictions.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "prefix_length": length,
+                    "recomputed_tokens": prompt - start,
+                    "predicted_speedup": costs.speedup_bound(prompt, start),
+                }
+            )
+    return plan
+
+
+def plan_table(plan: Plan, workload: Workload) -> str:
+    mib = 1024 * 1024
+    lines = [
+        f"{plan.model}: {plan.linear_layers} linear + {plan.attention_layers} attention layers; "
+        f"KV {plan.kv_bytes_per_token:,} B/token; linear states {plan.state_bytes_per_checkpoint / mib:.1f} MiB "
+        "per checkpoint",
+        f"workload: {workload.new_prefixes_per_s:g} new prefixes/s kept {workload.retention_s:g} s "
+        f"({workload.new_prefixes_per_s * workload.retention_s:g} held), {workload.suffix_tokens}-token suffixes",
+        "",
+        "| scheme | prefix | MiB per prefix | GiB held |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['scheme']} | {s['prefix_length']} | {s['bytes_per_prefix'] / mib:.1f} | "
+        f"{s['total_bytes'] / 1024**3:.1f} |"
+        for s in plan.schemes
+    ]
+    lines += [
+        "",
+        "| method | budget | prefix | recomputed tokens | predicted speedup (bound) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['method']} | {p['budget'] or '—'} | {p['prefix_length']} | {p['recomputed_tokens']} | "
+        f"{p['predicted_speedup']:.1f}x |"
+        for p in plan.predictions
+    ]
+    return "\n".join(lines)

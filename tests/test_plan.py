@@ -1,0 +1,78 @@
+"""The config-only cost model and `hybridkv plan`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.models.cost import LayerCost, _attended, cost_model
+from hybridkv.models.plan import Workload, cache_sizes, load_config, make_plan
+
+
+@pytest.mark.parametrize("cap", [None, 1, 7, 50, 1000])
+def test_attended_tokens_closed_form_equals_the_sum(cap):
+    for start, end in [(0, 0), (0, 1), (0, 64), (10, 64), (49, 51), (63, 200)]:
+        brute = sum(min(p + 1, cap) if cap else p + 1 for p in range(start, end))
+        assert _attended(start, end, cap) == brute
+
+
+@pytest.mark.parametrize("model", ["glm-5.3-flash", "tiny-glm5-next", "tiny-qwen3-next"])
+def test_prefill_cost_splits_at_any_position(model):
+    costs = cost_model(load_config(model))
+    for split in (1, 777, 2048, 5000):
+        whole = costs.prefill_flops(0, 6000)
+        parts = costs.prefill_flops(0, split) + costs.prefill_flops(split, 6000) - costs.head_flops
+        assert parts == pytest.approx(whole, rel=1e-12)
+    assert costs.speedup_bound(6000, 0) == 1.0
+
+
+def test_dsa_caps_attention_but_not_the_indexer():
+    capped = LayerCost("attention", 0.0, flops_per_context_token=1.0, max_attended=100)
+    indexer = LayerCost("attention", 0.0, flops_per_pooled_token=1.0)
+    assert _attended(1000, 1001, capped.max_attended) == 100
+    assert _attended(1000, 1001, indexer.max_attended) == 1001
+
+
+def test_glm_plan_matches_hand_arithmetic():
+    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(32768,), intervals=(3584,), budgets=("0.05",)))
+    per_layer_kv = (512 + 0 + 2 * 128 + 1) * 2  # MLA latent + DSA indexer key/gate/flag, bf16
+    state = 64 * 128 * 128 * 4 + 3 * 64 * 128 * 4 * 2  # KDA recurrent (float32) + q/k/v short-conv windows
+    assert plan.kv_bytes_per_token == 11 * per_layer_kv == 16918
+    assert plan.state_bytes_per_checkpoint == 34 * state
+    schemes = {s["scheme"]: s for s in plan.schemes}
+    assert schemes["tail-replay"]["bytes_per_prefix"] == 32768 * 16918
+    assert schemes["checkpoint-every-3584"]["bytes_per_prefix"] == 32768 * 16918 + 9 * 34 * state
+    assert schemes["tail-replay"]["total_bytes"] == 600 * 32768 * 16918  # 1 new prefix/s kept 600 s
+    predictions = {(p["method"], p["budget"]): p for p in plan.predictions}
+    assert predictions[("tail-replay", "0.05")]["recomputed_tokens"] == 64 + round(0.05 * 32768)
+    assert predictions[("checkpoint-every-3584", None)]["recomputed_tokens"] == 64 + 32768 - 9 * 3584
+
+
+def test_predicted_speedups_order_as_the_recomputed_tokens():
+    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(16384,), budgets=("0.02", "0.05", "0.1")))
+    ordered = sorted(plan.predictions, key=lambda p: p["recomputed_tokens"])
+    speedups = [p["predicted_speedup"] for p in ordered]
+    assert speedups == sorted(speedups, reverse=True) and speedups[-1] == 1.0
+
+
+def test_qwen3_next_cache_sizes_match_the_probed_tiny_model(models):
+    model = models["tiny-qwen3-next"]
+    kv, state, linear, attention = cache_sizes(model.config, dtype_bytes=4, state_dtype_bytes=4)  # float32 tiny
+    assert (linear, attention) == (len(model.description.linear_layers), len(model.description.attention_layers))
+    assert kv == model.description.kv_bytes_per_token
+    assert state == model.description.state_bytes
+
+
+def test_plan_cli_json_and_errors(capsys, tmp_path):
+    assert main(["plan", "--json", "--prefix-lengths", "8192", "--budgets", "0.05"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"model", "kv_bytes_per_token", "state_bytes_per_checkpoint", "linear_layers", "attention_layers",
+            "schemes", "predictions"} <= set(out)  # fmt: skip
+    assert main(["plan", "--model", "tiny-olmo-hybrid"]) == 2
+    assert "no cache-size formulas" in capsys.readouterr().err
+    assert main(["plan", "--budgets", "7"]) == 2
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert "cannot read its config" in capsys.readouterr().err
