@@ -121,3 +121,25 @@ def test_vllm_bench_rejects_bad_options_before_starting_vllm(capsys):
     assert "outside [0, 1]" in capsys.readouterr().err
     assert main(["vllm-bench", "--model", "/nonexistent/model", "--prefix-lengths", "64"]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_vllm_bench_summary_report_and_plot(tmp_path):
+    from hybridkv.integrations.vllm.bench import BenchPlan, plot, report, summarise
+
+    def rows(ttft, reused, top):
+        return [{"ttft_s": ttft, "reused": reused, "logprobs": {top: -0.1, 9: -3.0}} for _ in range(3)]
+
+    results = {
+        "no-cache": {2048: rows(1.0, 0, 1)},
+        "vllm-prefix-cache": {2048: rows(0.25, 1280, 1)},
+        "hybridkv": {2048: rows(0.5, 1946, 9)},  # a different top token: agreement 0
+    }
+    summary = summarise(BenchPlan("m", [2048], requests=3), results)
+    by_config = {r["config"]: r for r in summary["rows"]}
+    assert by_config["vllm-prefix-cache"]["speedup"] == pytest.approx(4.0)
+    assert by_config["hybridkv"]["reused_tokens_per_request"] == 1946
+    assert by_config["hybridkv"]["top1_agreement"] == 0.0 and by_config["hybridkv"]["kl_mean"] > 0
+    assert by_config["no-cache"]["kl_mean"] == 0.0
+    plot(summary, tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+    assert report(summary).count("| 2048 |") == 3

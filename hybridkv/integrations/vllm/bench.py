@@ -140,6 +140,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     summary = summarise(plan, results)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(report(summary))
+    plot(summary, out / "ttft.png")
     return summary
 
 
@@ -174,6 +175,33 @@ def summarise(plan: BenchPlan, results: dict[str, dict[int, list[dict]]]) -> dic
     }
 
 
+def plot(summary: dict, path: Path) -> None:
+    """TTFT per configuration, grouped by prefix length, with reused tokens on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({row["prefix_length"] for row in summary["rows"]})
+    width = 0.8 / len(CONFIGS)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for index, config in enumerate(CONFIGS):
+        rows = {r["prefix_length"]: r for r in summary["rows"] if r["config"] == config}
+        xs = [i + (index - (len(CONFIGS) - 1) / 2) * width for i in range(len(lengths))]
+        bars = ax.bar(xs, [rows[n]["ttft_median_s"] for n in lengths], width, label=config)
+        for bar, n in zip(bars, lengths, strict=True):
+            reused = rows[n]["reused_tokens_per_request"]
+            ax.annotate(f"{reused:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(range(len(lengths)), [f"{n} shared tokens" for n in lengths])
+    ax.set_ylabel("median TTFT (s)")
+    ax.set_title(f"vLLM: TTFT per configuration (labels: reused tokens); budget {summary['replay_budget']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def report(summary: dict) -> str:
     lines = [
         "# vllm-bench",
@@ -181,6 +209,8 @@ def report(summary: dict) -> str:
         f"Model `{summary['model']}`; {summary['requests']} requests per prefix, each with its own "
         f"{summary['suffix_tokens']}-token suffix; hybridkv replay budget {summary['replay_budget']}. "
         "TTFT medians; fidelity of the first token against `no-cache` (full prefill).",
+        "",
+        "![TTFT per configuration](ttft.png)",
         "",
         "| prefix | config | TTFT median s | speedup | reused tokens / request | top-1 agreement | KL mean |",
         "|---|---|---|---|---|---|---|",
