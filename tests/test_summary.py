@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.eval.summary import rescore, summarise
+from hybridkv.eval.summary import agreement, rescore, summarise
 
 
 def row(sample: int, method: str, score: float, budget=None, **costs) -> dict:
@@ -31,15 +31,16 @@ def test_retention_and_pgr_are_computed_per_setting():
     assert summary[("no-context", None)]["pgr"] == pytest.approx(0.0)
 
 
-def test_same_as_full_counts_answers_identical_to_full_prefill():
+def test_agreement_with_full_is_how_far_into_full_prefills_answer_a_method_agrees():
     rows = [
         row(0, "full", 0.0), row(1, "full", 0.0), row(2, "full", 0.0),
-        {**row(0, "zero-state", 0.0), "prediction": "something else"}, row(1, "zero-state", 0.0),
-        row(2, "zero-state", 0.0),
+        {**row(0, "zero-state", 0.0), "prediction": "0.5"},  # full said "0.0": agrees on 2 of 3 characters
+        {**row(1, "zero-state", 0.0), "prediction": "x"}, row(2, "zero-state", 0.0),
     ]  # fmt: skip
     summary = {r["method"]: r for r in summarise(rows)["rows"]}
-    assert summary["zero-state"]["same_as_full"] == pytest.approx(2 / 3)
-    assert summary["full"]["same_as_full"] == 1.0
+    assert summary["zero-state"]["agreement_with_full"] == pytest.approx((2 / 3 + 0 + 1) / 3)
+    assert summary["full"]["agreement_with_full"] == 1.0
+    assert agreement("0.0 and more", "0.0") == 1.0 and agreement("", "0.0") == 0.0
 
 
 def test_pgr_is_undefined_when_the_oracle_does_not_beat_the_floor():

@@ -2,8 +2,8 @@
 
 For each (workload, task, length, method, budget): n, mean score, retention against full
 prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
-full-prefill oracle on the same samples — with a paired bootstrap 95% CI, the share of answers
-identical to full prefill's (`same_as_full`), plus the cost means
+full-prefill oracle on the same samples — with a paired bootstrap 95% CI, how far into full
+prefill's answer each method agrees with it (`agreement_with_full`), plus the cost means
 (token and byte counts) and medians (times).
 """
 
@@ -22,6 +22,16 @@ TIMES = ("ttft_s", "build_s")  # medians: one slow outlier on a shared machine s
 def rescore(rows: list[dict], score: Callable[[dict], float]) -> list[dict]:
     """The rows with `score(row)` recomputed from each stored prediction."""
     return [{**row, "score": score(row)} for row in rows]
+
+
+def agreement(prediction: str, reference: str) -> float:
+    """The share of `reference` that `prediction` reproduces before their first difference (1.0 if equal)."""
+    if prediction == reference:
+        return 1.0
+    same = next((i for i, (a, b) in enumerate(zip(prediction, reference, strict=False)) if a != b), None)
+    if same is None:
+        same = min(len(prediction), len(reference))
+    return same / len(reference) if reference else 0.0
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -59,9 +69,11 @@ def summarise(rows: list[dict]) -> dict:
                 if any(i in oracle for i in ids)
                 else None,
                 "pgr": pgr(statistics.fmean(method_scores), floor_mean, oracle_mean) if paired else None,
-                # How often the method answers exactly as full prefill did: telling even where the
-                # task scores sit at the floor (the random-weight tiny models).
-                "same_as_full": statistics.fmean(samples[i]["prediction"] == oracle[i]["prediction"] for i in matched)
+                # How far into full prefill's answer the method agrees with it: telling even where
+                # the task scores sit at the floor (the random-weight tiny models).
+                "agreement_with_full": statistics.fmean(
+                    agreement(samples[i]["prediction"], oracle[i]["prediction"]) for i in matched
+                )
                 if (matched := [i for i in ids if i in oracle])
                 else None,
                 "pgr_ci95": list(ci)

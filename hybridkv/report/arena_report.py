@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "same_as_full",
+COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
            "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
 
 
@@ -143,7 +143,8 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
         "",
         "Scores are recomputed from the stored predictions. Retention = method / full prefill; PGR = (method − "
         "no-context floor) / (full − floor), undefined when full does not beat the floor by 1e-3; CIs are paired "
-        "bootstrap 95%; same_as_full is the share of answers identical to full prefill's.",
+        "bootstrap 95%; agreement_with_full is the share of full prefill's answer a method reproduces before its "
+        "first difference.",
         "",
         *(f"![{name}]({name})" for name in PLOTS),
         "",
