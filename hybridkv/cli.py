@@ -128,6 +128,26 @@ def _build_parser() -> argparse.ArgumentParser:
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
     report.add_argument("out", type=Path)
+    ttft = commands.add_parser(
+        "ttft",
+        help="TTFT speedups at long matched prefixes beside the cost-model bound",
+        description=(
+            "Times full prefill, tail-replay (both variants), checkpoint and seeded-replay at long matched prefixes "
+            "with a short suffix, each method beside full prefill in the same process (medians over repeats), and "
+            "prints the measured speedup beside the FLOP bound. Writes OUT/summary.json and OUT/ttft.png."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ttft.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    ttft.add_argument("--prefix-lengths", type=_int_list, default="8192,16384,32768", help="matched prefix lengths")
+    ttft.add_argument("--budgets", default="0.02,0.05,0.1", help="tail budgets (fractions or e.g. 256tok)")
+    ttft.add_argument("--suffix-length", type=int, default=16, help="new tokens after the matched prefix")
+    ttft.add_argument("--checkpoint-interval", type=int, default=1024, help="state checkpoints every B tokens")
+    ttft.add_argument("--repeats", type=int, default=3, help="timing repeats (medians)")
+    ttft.add_argument("--seed", type=int, default=0)
+    ttft.add_argument("--out", type=Path, default=Path("out/ttft"), help="output directory")
+    ttft.add_argument("--no-progress", action="store_true")
+
     plan = commands.add_parser(
         "plan",
         help="cache memory and predicted TTFT speedups per caching scheme, from a model's config alone",
@@ -173,6 +193,29 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
     bench_vllm.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _ttft(args: argparse.Namespace) -> None:
+    from hybridkv.eval.ttft import TTFT_METHODS, run_ttft, table
+    from hybridkv.eval.validate import ValidateConfig
+    from hybridkv.methods import Budget
+    from hybridkv.models import load_model
+
+    config = ValidateConfig(
+        model=args.model,
+        prefix_lengths=args.prefix_lengths,
+        suffix_length=args.suffix_length,
+        budgets=[Budget.parse(part) for part in args.budgets.split(",") if part.strip()],
+        methods=TTFT_METHODS,
+        checkpoint_interval=args.checkpoint_interval,
+        seed=args.seed,
+        repeats=args.repeats,
+        greedy_tokens=1,
+    )
+    config.check()
+    summary = run_ttft(load_model(args.model, seed=args.seed), config, args.out, show_progress=not args.no_progress)
+    print(table(summary["rows"]))
+    print(f"\nwrote {args.out / 'summary.json'} and {args.out / 'ttft.png'}")
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -374,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             _store(args)
         elif args.command == "arena":
             _arena(args)
+        elif args.command == "ttft":
+            _ttft(args)
         elif args.command == "plan":
             _plan(args)
         elif args.command == "vllm-bench":

@@ -31,6 +31,7 @@ from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute, get_method
 from hybridkv.methods.full import Full
 from hybridkv.models import DEFAULT_MODEL, HybridModel
+from hybridkv.models.cost import CostModel, cost_model
 from hybridkv.store import GuardedStore, open_store
 
 
@@ -102,6 +103,13 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _cost_model(model: HybridModel) -> CostModel | None:
+    try:
+        return cost_model(model.config)
+    except HybridKVError:  # no cost model for this architecture yet: no bound column
+        return None
+
+
 def validate_prefix(
     model: HybridModel,
     config: ValidateConfig,
@@ -150,9 +158,11 @@ def validate_prefix(
     tick("reference")
 
     plan = _plan(config)
+    costs = _cost_model(model)
     rows = []
     for method, budget in plan:
-        outcome = execute(model, prompt, hit, method.recipe(hit, budget), logits_to_keep=suffix)
+        recipe = method.recipe(hit, budget)
+        outcome = execute(model, prompt, hit, recipe, logits_to_keep=suffix)
         greedy = greedy_continue(model, outcome.cache, outcome.logits[-1], prompt.numel(), config.greedy_tokens)
         rows.append(
             {
@@ -164,6 +174,10 @@ def validate_prefix(
                 "reused_tokens": outcome.reused_tokens,
                 "replayed_tokens": outcome.replayed_tokens,
                 "recomputed_tokens": outcome.recomputed_tokens,
+                # Tokens from the state position on go through the model (replay and suffix alike);
+                # the cost model turns that into the speedup over full prefill that FLOPs allow.
+                "state_position": recipe.state_position,
+                "bound": costs.speedup_bound(prompt.numel(), recipe.state_position) if costs else None,
                 "kl_mean": kl_mean(reference.logits, outcome.logits),
                 "top1_agreement": top1_agreement(reference.logits, outcome.logits),
                 "greedy_agreement": greedy_agreement(reference_greedy, greedy),

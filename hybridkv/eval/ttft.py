@@ -1,0 +1,75 @@
+"""`hybridkv ttft`: measured TTFT speedups at long matched prefixes, beside the cost-model bound.
+
+It is `hybridkv validate`'s measurement — each method timed beside full prefill in the same
+process, medians over repeats — at 8K/16K/32K with a short suffix, reduced to the rows the
+speed question needs, plus the FLOP bound (`hybridkv.models.cost`) for each method's recomputed
+span and a plot of measured speedup against it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridkv.eval.validate import ValidateConfig, run_validate
+from hybridkv.models import HybridModel
+
+TTFT_METHODS = ["full", "tail-replay", "tail-replay-recompute", "checkpoint", "seeded-replay"]
+FIELDS = ("method", "budget", "prefix_length", "ttft_s", "full_ttft_s", "speedup", "bound", "kl_mean")
+
+
+def run_ttft(model: HybridModel, config: ValidateConfig, out: Path, show_progress: bool = True) -> dict:
+    results = run_validate(model, config, show_progress=show_progress)
+    rows = [{field: row[field] for field in FIELDS} for row in results["rows"]]
+    for row in rows:
+        row["of_bound"] = row["speedup"] / row["bound"] if row["bound"] else None
+    summary = {"model": results["model"]["name"], "config": results["config"], "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(rows, out / "ttft.png")
+    return summary
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| method | budget | prefix | TTFT s | full s | speedup | bound | of bound | KL |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bound = f"{r['bound']:.1f}x" if r["bound"] else "—"
+        share = f"{r['of_bound']:.0%}" if r["of_bound"] else "—"
+        lines.append(
+            f"| {r['method']} | {r['budget'] if r['budget'] is not None else '—'} | {r['prefix_length']} | "
+            f"{r['ttft_s']:.3f} | {r['full_ttft_s']:.3f} | {r['speedup']:.2f}x | {bound} | {share} | "
+            f"{r['kl_mean']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Measured speedup (solid) and its cost-model bound (dashed) per method against prefix length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = sorted({(r["method"], str(r["budget"])) for r in rows if r["method"] != "full"})
+    for index, (method, budget) in enumerate(labels):
+        group = sorted((r for r in rows if (r["method"], str(r["budget"])) == (method, budget)),
+                       key=lambda r: r["prefix_length"])  # fmt: skip
+        lengths = [r["prefix_length"] for r in group]
+        color = f"C{index % 10}"
+        name = method if budget == "None" else f"{method} @ {budget}"
+        ax.plot(lengths, [r["speedup"] for r in group], "o-", color=color, label=name)
+        if all(r["bound"] for r in group):
+            ax.plot(lengths, [r["bound"] for r in group], "--", color=color, alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("matched prefix length (tokens)")
+    ax.set_ylabel("TTFT speedup over full prefill")
+    ax.set_title("measured (solid) vs cost-model bound (dashed)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
