@@ -20,6 +20,7 @@ COLUMNS = [
     ("ttft_s", "TTFT ms", "{:.1f}"),
     ("full_ttft_s", "full ms", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("bound", "bound", "{:.1f}x"),
     ("kv_bytes", "KV MiB", "{:.2f}"),
     ("state_bytes", "state MiB", "{:.2f}"),
 ]
