@@ -43,7 +43,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentio
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import (
     BlockStore,
-    Resume,
     engine_fingerprint,
     read_staged,
     write_staged,
@@ -78,6 +77,15 @@ class SaveOp:
 class HybridKVMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _Hit:  # scheduler-side record of a request's lookup; its pages wait in `staged`
+    matched: int
+    start: int
+    exact_state: bool = False
+    blocks: int = 0
+    staged: str | None = None
 
 
 @dataclass
@@ -133,7 +141,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.store_url = url
         # scheduler side
-        self._resumes: dict[str, Resume] = {}
+        self._hits: dict[str, _Hit] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
         # worker side
@@ -160,17 +168,27 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         if num_computed_tokens:  # only with vLLM's prefix cache, which __init__ refuses
             return 0, False
-        resume = self._resumes.get(request.request_id)
-        if resume is None:
-            attention, states = self._layouts()
-            budget = self._request_budget(request)
-            try:
-                resume = self.blocks.resume(list(request.prompt_token_ids), attention, states, budget)
-            except Exception:  # never take the engine down over a cache: recompute instead
-                log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
-                resume = Resume(0, 0, [], None)
-            self._resumes[request.request_id] = resume
-        return resume.start, False
+        hit = self._hits.get(request.request_id)
+        if hit is None:
+            hit = self._hits[request.request_id] = self._look_up(request)
+        return hit.start, False
+
+    def _look_up(self, request) -> _Hit:
+        """Find, read, verify and stage a request's pages; claim nothing that is not staged."""
+        attention, states = self._layouts()
+        try:
+            resume = self.blocks.resume(
+                list(request.prompt_token_ids), attention, states, self._request_budget(request)
+            )
+            hit = _Hit(resume.matched, resume.start, resume.states is not None, len(resume.blocks))
+            if resume.start:
+                path = self.stage_dir / f"{uuid.uuid4().hex}.hkvs"
+                write_staged(path, resume)
+                hit.staged = str(path)
+            return hit
+        except Exception:  # never take the engine down over a cache: recompute instead
+            log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
+            return _Hit(0, 0)
 
     def _request_budget(self, request) -> Budget:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -183,16 +201,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return self.budget
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        resume = self._resumes.get(request.request_id)
-        if not num_external_tokens or resume is None or resume.start != num_external_tokens:
+        hit = self._hits.get(request.request_id)
+        if not num_external_tokens or hit is None or hit.start != num_external_tokens or hit.staged is None:
             return
         ids = blocks.get_block_ids()
-        path = self.stage_dir / f"{uuid.uuid4().hex}.hkvs"
-        write_staged(path, resume)
         self._loads[request.request_id] = LoadOp(
             request.request_id,
-            str(path),
-            {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
+            hit.staged,
+            {g: list(ids[g][: hit.blocks]) for g in self.attention_groups},
             {g: ids[g][0] for g in self.mamba_groups},
         )
 
@@ -201,8 +217,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for new in scheduler_output.scheduled_new_reqs:
             if (load := self._loads.pop(new.req_id, None)) is not None:
                 meta.loads.append(load)
-            resume = self._resumes.get(new.req_id)
-            matched = resume.matched if resume is not None else 0
+            hit = self._hits.get(new.req_id)
+            matched = hit.matched if hit is not None else 0
             self._tracked[new.req_id] = _Tracked(
                 list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size
             )
@@ -242,13 +258,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> dict | None:
         self._tracked.pop(req_id, None)
-        load = self._loads.pop(req_id, None)
-        if load is not None:
-            Path(load.staged).unlink(missing_ok=True)
-        resume = self._resumes.pop(req_id, None)
-        if resume is None:
+        self._loads.pop(req_id, None)
+        hit = self._hits.pop(req_id, None)
+        if hit is None:
             return None
-        return {"matched": resume.matched, "reused": resume.start, "exact_state": resume.states is not None}
+        if hit.staged is not None:
+            Path(hit.staged).unlink(missing_ok=True)
+        return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
         info = self._forget(request.request_id)
@@ -273,9 +289,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, HybridKVMetadata):
             return
         for load in meta.loads:
-            path = Path(load.staged)
-            _, blocks, states = read_staged(path)  # written and verified by the scheduler just before
-            path.unlink(missing_ok=True)
+            # Written and verified by the scheduler just before; it removes the file when the request
+            # ends (a preempted request loads it again when it is rescheduled).
+            _, blocks, states = read_staged(Path(load.staged))
             for group, ids in load.attention_blocks.items():
                 for block, pages in zip(ids, blocks, strict=True):
                     for layer in self.attention_groups[group]:
