@@ -45,21 +45,28 @@ def _per_method(rows: list[dict], key: str) -> dict[str, float]:
 
 
 def plot_quality_vs_budget(rows: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    by_method: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
-    flat: dict[str, list[float]] = defaultdict(list)
-    for row in rows:
-        if isinstance(row["budget"], int | float):
-            by_method[row["method"]][row["budget"]].append(row["score"])
-        elif row["budget"] is None:
-            flat[row["method"]].append(row["score"])
-    for method, points in sorted(by_method.items()):
-        budgets = sorted(points)
-        ax.plot(budgets, [_mean(points[b]) for b in budgets], marker="o", label=method)
-    for index, (method, scores) in enumerate(sorted(flat.items())):
-        ax.axhline(_mean(scores), linestyle="--", color=f"C{(index + 3) % 10}", label=method)
-    ax.set(xlabel="replay budget (fraction of the matched prefix)", ylabel="mean score", title="Quality vs budget")
-    ax.legend(fontsize=7)
+    """Task score, and agreement with full prefill's answer, against the replay budget."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in (
+        (axes[0], "score", "Task score vs budget"),
+        (axes[1], "agreement_with_full", "Agreement with full prefill's answer vs budget"),
+    ):
+        by_method: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+        flat: dict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            if row.get(key) is None:
+                continue
+            if isinstance(row["budget"], int | float):
+                by_method[row["method"]][row["budget"]].append(row[key])
+            elif row["budget"] is None:
+                flat[row["method"]].append(row[key])
+        for method, points in sorted(by_method.items()):
+            budgets = sorted(points)
+            ax.plot(budgets, [_mean(points[b]) for b in budgets], marker="o", label=method)
+        for index, (method, values) in enumerate(sorted(flat.items())):
+            ax.axhline(_mean(values), linestyle="--", color=f"C{(index + 3) % 10}", label=method)
+        ax.set(xlabel="replay budget (fraction of the matched prefix)", ylabel=f"mean {key}", title=title)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
