@@ -28,6 +28,13 @@ def test_prefill_cost_splits_at_any_position(model):
     assert costs.speedup_bound(6000, 0) == 1.0
 
 
+def test_dense_attention_lifts_the_dsa_cap_and_costs_more_at_long_contexts():
+    sparse = cost_model(load_config("glm-5.3-flash"))
+    dense = cost_model(load_config("glm-5.3-flash"), dense_attention=True)
+    assert dense.prefill_flops(0, 1024) == sparse.prefill_flops(0, 1024)  # below index_topk: the same
+    assert dense.prefill_flops(0, 32768) > sparse.prefill_flops(0, 32768)
+
+
 def test_dsa_caps_attention_but_not_the_indexer():
     capped = LayerCost("attention", 0.0, flops_per_context_token=1.0, max_attended=100)
     indexer = LayerCost("attention", 0.0, flops_per_pooled_token=1.0)

@@ -18,7 +18,7 @@ overheads. A prediction is therefore an upper bound on the speedup a real implem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.errors import HybridKVError
 
@@ -138,12 +138,20 @@ def _qwen3_next(config) -> CostModel:
 _BUILDERS = {"glm5_next": _glm5_next, "glm5_next_text": _glm5_next, "qwen3_next": _qwen3_next}
 
 
-def cost_model(config) -> CostModel:
-    """The cost model of a transformers config (a multimodal config's text part is used)."""
+def cost_model(config, dense_attention: bool = False) -> CostModel:
+    """The cost model of a transformers config (a multimodal config's text part is used).
+
+    `dense_attention`: every query scores every earlier token even where DSA selects top-k, as
+    transformers' implementation does (it masks the dense scores); a serving kernel that computes
+    only the selected tokens (vLLM's sparse MLA) is the default.
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     builder = _BUILDERS.get(text.model_type)
     if builder is None:
         raise HybridKVError(
             f"no cost model for model type {text.model_type!r} yet; known: {', '.join(sorted(_BUILDERS))}"
         )
-    return builder(text)
+    model = builder(text)
+    if dense_attention:
+        model = replace(model, layers=tuple(replace(layer, max_attended=None) for layer in model.layers))
+    return model
