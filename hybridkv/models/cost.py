@@ -13,7 +13,8 @@ Counted (2 FLOPs per multiply-accumulate, forward only):
 - the LM head once per prompt (only the last position's logits are needed).
 
 Not counted: norms, activations, softmax, rotary embeddings, memory traffic and kernel launch
-overheads. A prediction is therefore an upper bound on the speedup a real implementation sees.
+overheads. A prediction is meant as the speedup an ideal implementation would see. On transformers' CPU code the
+measured speedups of short tails exceed it: full prefill there costs more than its FLOPs (see benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

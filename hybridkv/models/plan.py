@@ -8,7 +8,7 @@ is kept — it gives the cache memory of
 - `tail-replay`: attention KV only (states are rebuilt by replaying a tail on a hit);
 
 and, per method, the tokens recomputed on a hit and the speedup over full prefill that the cost
-model (`hybridkv.models.cost`) predicts — an upper bound, since it counts FLOPs only.
+model (`hybridkv.models.cost`) predicts from FLOPs alone.
 """
 
 from __future__ import annotations
