@@ -311,6 +311,29 @@ def test_execute_leaves_the_cached_prompt_untouched(scenario, name):
         assert torch.equal(s.run(m, b).logits, first[m]), m
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_exact_kv_replay_keeps_the_cached_kv_and_leaves_a_plain_cache(scenario, name):
+    """Replay and suffix run in one pass, yet attention ends up holding the cached KV of [0, L)."""
+    from hybridkv.models.describe import token_tensors
+
+    s = scenario(name, 140)
+    outcome = s.run("tail-replay", Budget(fraction=0.3))
+    kinds = {spec.index: spec.kind for spec in s.model.description.layers}
+    recompute = s.run("tail-replay-recompute", Budget(fraction=0.3))
+    for index, tensors in s.cached.attention.items():
+        layer = outcome.cache.layers[index]
+        assert "update" not in vars(layer) and "update_indexer" not in vars(layer)  # wrappers removed
+        for tensor_name, dim in token_tensors(kinds[index]).items():
+            held = getattr(layer, tensor_name)
+            assert held.shape[dim] == PROMPT_LEN
+            assert torch.equal(held.narrow(dim, 0, s.matched), tensors[tensor_name].narrow(dim, 0, s.matched))
+            # the recompute variant's tail KV differs: the splice is what keeps it exact
+            tail = recompute.cache.layers[index]
+            assert held.numel() == 0 or not torch.equal(
+                getattr(tail, tensor_name).narrow(dim, 0, s.matched), tensors[tensor_name].narrow(dim, 0, s.matched)
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input.
 

@@ -1,6 +1,12 @@
 """Cached prompts, token-level prefix matching, and assembling transformers caches from them."""
 
-from hybridkv.cache.assemble import assemble_cache, set_attention, set_linear_states, zero_states
+from hybridkv.cache.assemble import (
+    assemble_cache,
+    exact_attention_for_first_tokens,
+    set_attention,
+    set_linear_states,
+    zero_states,
+)
 from hybridkv.cache.prefix_cache import Hit, PrefixCache
 from hybridkv.cache.prefix_index import PrefixIndex
 from hybridkv.cache.prompt import CachedPrompt, LinearState, capture_prompt, read_attention, read_linear_states
@@ -12,6 +18,7 @@ __all__ = [
     "PrefixCache",
     "PrefixIndex",
     "assemble_cache",
+    "exact_attention_for_first_tokens",
     "capture_prompt",
     "read_attention",
     "read_linear_states",

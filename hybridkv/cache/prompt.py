@@ -48,11 +48,17 @@ class CachedPrompt:
 
     def kv_prefix(self, model: HybridModel, n: int) -> AttentionKV:
         """Views (no copies) of the attention KV of tokens [0, n)."""
-        if not 0 <= n <= len(self):
-            raise ValueError(f"prefix of {n} tokens asked from a cached prompt of {len(self)}")
+        return self.kv_range(model, 0, n)
+
+    def kv_range(self, model: HybridModel, start: int, end: int) -> AttentionKV:
+        """Views (no copies) of the attention KV of tokens [start, end)."""
+        if not 0 <= start <= end <= len(self):
+            raise ValueError(f"tokens [{start}, {end}) asked from a cached prompt of {len(self)}")
         kinds = {spec.index: spec.kind for spec in model.description.layers}
         return {
-            layer: {name: tensors[name].narrow(dim, 0, n) for name, dim in token_tensors(kinds[layer]).items()}
+            layer: {
+                name: tensors[name].narrow(dim, start, end - start) for name, dim in token_tensors(kinds[layer]).items()
+            }
             for layer, tensors in self.attention.items()
         }
 

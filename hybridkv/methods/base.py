@@ -6,8 +6,8 @@ vLLM makes with one cache manager per layer kind:
 
 * **attention side**: exact cached KV for tokens [0, n) (n ≤ L);
 * **linear side**: the state at some position s ≤ n — zero, or a stored checkpoint — and
-  the tokens [s, n) *replayed* through the whole model to carry it forward to n (their
-  attention KV is thrown away afterwards and the exact cached KV kept).
+  the tokens [s, n) *replayed* through the whole model to carry it forward to n (attention
+  layers use and keep the exact cached KV for them, not the KV the replay computes).
 
 Then [n, end) is computed normally. Every method is a `Recipe` (n, s, seed) built from the hit
 and a budget; `execute` turns any recipe into logits, so methods differ only in that choice.
@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from hybridkv.cache import Hit, assemble_cache, set_attention
+from hybridkv.cache import Hit, assemble_cache, exact_attention_for_first_tokens
 from hybridkv.errors import HybridKVError
 from hybridkv.models import HybridModel
 
@@ -135,10 +135,10 @@ def execute(
             raise ValueError(f"no stored checkpoint at position {s}")
     kv = hit.cached.kv_prefix(model, s) if hit is not None and s > 0 else None
     cache = assemble_cache(model, kv, states)
-    if n > s:  # replay: carry the linear states from s to n, then put the exact KV back
-        model.forward(prompt[s:n], cache, start=s)
-        set_attention(cache, hit.cached.kv_prefix(model, n))
-    logits = model.forward(prompt[n:], cache, start=n, logits_to_keep=logits_to_keep)
+    # Replay and suffix run as one forward over [s, end): the linear layers carry their states
+    # through the tail, while the attention layers keep the exact cached KV of [s, n).
+    with exact_attention_for_first_tokens(model, cache, hit.cached.kv_range(model, s, n) if n > s else {}):
+        logits = model.forward(prompt[s:], cache, start=s, logits_to_keep=logits_to_keep)
     return Outcome(
         logits=logits,
         cache=cache,
