@@ -241,6 +241,9 @@ def test_token_counts(scenario, name, matched):
                 assert outcome.reused_tokens == L
                 expected = L - c if c >= L - t else t
                 assert outcome.replayed_tokens == expected, label
+            elif method_name == "adaptive-replay":
+                assert outcome.reused_tokens == L, label
+                assert 0 <= outcome.replayed_tokens <= t, label  # the budget caps the tail
             else:  # a new method must get its own accounting check
                 pytest.fail(f"no accounting check for method {method_name}")
 

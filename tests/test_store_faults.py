@@ -229,7 +229,7 @@ def test_validate_with_a_dead_store_recomputes_everything(models, ledger):
     model = models[MODEL]
     results = run_validate(model, small_config(store=dead_url()), show_progress=False)
     rows = results["rows"]
-    assert len(rows) == 3 + 3 * 2
+    assert len(rows) == 3 + 4 * 2
     for row in rows:
         label = f"{row['method']} {row['budget']}"
         ledger.check(row["matched_length"] == 0 and row["reused_tokens"] == 0, f"{label}: reuse")

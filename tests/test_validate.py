@@ -12,6 +12,7 @@ from hybridkv.cli import main
 
 ROW_KEYS = {
     "method",
+    "decay_bound",
     "budget",
     "prefix_length",
     "suffix_length",
@@ -55,8 +56,8 @@ def test_validate_writes_results_with_the_documented_schema(validate_run):
     assert {"name", "model_type", "num_layers", "linear_layers", "attention_layers"} <= results["model"].keys()
     assert results["model"]["model_type"] == "qwen3_next"
     rows = results["rows"]
-    # 3 methods without a budget + 3 with two budgets each, for two prefix lengths
-    assert len(rows) == 2 * (3 + 3 * 2)
+    # 3 methods without a budget + 4 with two budgets each, for two prefix lengths
+    assert len(rows) == 2 * (3 + 4 * 2)
     for row in rows:
         assert row.keys() >= ROW_KEYS
         assert (row["budget"] is None) == (row["method"] in ("full", "zero-state", "checkpoint"))
@@ -70,7 +71,7 @@ def test_validate_rows_obey_the_method_invariants(validate_run):
         length, suffix = row["prefix_length"], row["suffix_length"]
         assert row["reused_tokens"] + row["recomputed_tokens"] == length + suffix
         assert 0 <= row["replayed_tokens"] <= length
-        if row["method"] == "full" or row["budget"] == 1.0:
+        if row["method"] == "full" or (row["budget"] == 1.0 and row["method"] != "adaptive-replay"):
             # whole-prefix replay is full prefill
             assert row["kl_mean"] < 1e-6 and row["top1_agreement"] == 1.0, row
         if row["method"] == "checkpoint":
@@ -80,6 +81,10 @@ def test_validate_rows_obey_the_method_invariants(validate_run):
         if row["method"] in ("tail-replay", "tail-replay-recompute"):
             assert row["state_bytes"] == 0 and row["kv_bytes"] > 0
             assert row["replayed_tokens"] == round(row["budget"] * length)
+        if row["method"] == "adaptive-replay":  # under the tolerance, or the whole budget spent
+            assert row["decay_bound"] < 0.01 or row["replayed_tokens"] == round(row["budget"] * length)
+        if row["method"] in ("full", "checkpoint"):
+            assert row["decay_bound"] == 0.0  # exact states drop nothing
         assert row["split_noise_kl"] < 1e-6  # qwen3_next is split-invariant
         assert row["speedup"] == pytest.approx(row["full_ttft_s"] / row["ttft_s"])
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from hybridkv.models.decay import DecaySummary, record_decay, summarise
 from hybridkv.models.describe import token_tensors
 from hybridkv.models.loader import HybridModel
 
@@ -42,6 +43,7 @@ class CachedPrompt:
     attention: AttentionKV
     checkpoints: dict[int, LinearStates] = field(default_factory=dict)  # position -> states
     checkpoint_interval: int | None = None
+    decay: DecaySummary | None = None  # how fast each linear layer forgot over each chunk (adaptive-replay)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -106,9 +108,11 @@ def capture_prompt(model: HybridModel, tokens: torch.Tensor, checkpoint_interval
     cache = model.new_cache()
     step = checkpoint_interval or len(tokens)
     checkpoints: dict[int, LinearStates] = {}
-    for start in range(0, len(tokens), step):
-        end = min(start + step, len(tokens))
-        model.forward(tokens[start:end], cache, start=start)
-        if checkpoint_interval is not None and end % checkpoint_interval == 0:
-            checkpoints[end] = read_linear_states(model, cache)
-    return CachedPrompt(tokens, read_attention(model, cache), checkpoints, checkpoint_interval)
+    with record_decay(model) as gates:
+        for start in range(0, len(tokens), step):
+            end = min(start + step, len(tokens))
+            model.forward(tokens[start:end], cache, start=start)
+            if checkpoint_interval is not None and end % checkpoint_interval == 0:
+                checkpoints[end] = read_linear_states(model, cache)
+    decay = summarise(gates) if gates is not None else None
+    return CachedPrompt(tokens, read_attention(model, cache), checkpoints, checkpoint_interval, decay)

@@ -1,11 +1,12 @@
 """A prefix cache whose bytes live in a store, shared by every process that opens the same URL.
 
 Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's
-tokens) and one per linear-state checkpoint. Looking a prompt up walks its chunks through the
-store: each chunk is found by the exact prefix before it and its first token, its stored tokens
-are compared with the prompt's, and the walk stops at the first differing token — a
-token-level match that needs no shared index. Anything missing, unreadable or failing
-verification ends the walk there: the hit gets shorter and the rest is recomputed.
+tokens and its rows of the linear layers' decay summary) and one per linear-state checkpoint.
+Looking a prompt up walks its chunks through the store: each chunk is found by the exact prefix
+before it and its first token, its stored tokens are compared with the prompt's, and the walk
+stops at the first differing token — a token-level match that needs no shared index. Anything
+missing, unreadable or failing verification ends the walk there: the hit gets shorter and the
+rest is recomputed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
 from hybridkv.cache.prefix_cache import Hit
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates
+from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
 from hybridkv.models.describe import token_tensors
 from hybridkv.models.loader import HybridModel
 from hybridkv.store.codec import Entry, encode
@@ -61,6 +63,9 @@ class StoredPrefixCache:
                 for layer, dims in self._dims.items()
                 for name, dim in dims.items()
             }
+            if cached.decay is not None and size % cached.decay.chunk == 0:  # rides along with its chunk
+                first = start // cached.decay.chunk
+                tensors["decay"] = cached.decay.log_decay[first : first + (end - start) // cached.decay.chunk]
             meta = {"start": start, "tokens": tokens[start:end].tolist()}
             written += self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors)))
         for position, states in cached.checkpoints.items():
@@ -78,11 +83,12 @@ class StoredPrefixCache:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def _kv_chunk(self, key: str) -> tuple[list[int], dict[int, dict[str, torch.Tensor]]] | None:
+    def _kv_chunk(self, key: str) -> tuple[list[int], dict[int, dict[str, torch.Tensor]], torch.Tensor | None] | None:
         entry = self._read(key, "kv")
         if entry is None:
             return None
         tokens = entry.meta.get("tokens")
+        decay = entry.tensors.get("decay")
         try:
             layers = {
                 layer: {name: entry.tensors[f"{layer}.{name}"] for name in dims} for layer, dims in self._dims.items()
@@ -92,12 +98,20 @@ class StoredPrefixCache:
                 for layer, dims in self._dims.items()
                 for name, dim in dims.items()
             )
+            consistent = consistent and (
+                decay is None
+                or (
+                    decay.dim() == 3
+                    and decay.shape[0] == len(tokens) // DECAY_CHUNK
+                    and decay.shape[1] == len(self.model.description.linear_layers)
+                )
+            )
         except KeyError:
             consistent = False
         if not consistent:
             self.store.corrupt(key, "tensors do not match this model's attention layout or the chunk's tokens")
             return None
-        return tokens, layers
+        return tokens, layers, decay
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
         key = state_key(self.keys.prefix(prompt, position, chain))
@@ -132,12 +146,13 @@ class StoredPrefixCache:
         size = self.keys.chunk_tokens
         chunk_tokens: list[list[int]] = []
         chunk_layers: list[dict[int, dict[str, torch.Tensor]]] = []
+        chunk_decay: list[torch.Tensor | None] = []
         matched = 0
         for index, start in enumerate(range(0, limit, size)):
             found = self._kv_chunk(kv_chunk_key(chain[index], int(prompt[start])))
             if found is None:
                 break
-            tokens, layers = found
+            tokens, layers, decay = found
             stored = np.asarray(tokens, dtype=np.int64)
             ours = wanted[start : start + len(stored)]
             differ = np.flatnonzero(stored[: len(ours)] != ours)
@@ -146,6 +161,7 @@ class StoredPrefixCache:
                 break
             chunk_tokens.append(tokens)
             chunk_layers.append(layers)
+            chunk_decay.append(decay)
             matched = start + common
             if common < size:
                 break
@@ -164,4 +180,6 @@ class StoredPrefixCache:
             if states is not None:
                 checkpoints[position] = states
         tokens = torch.tensor([t for chunk in chunk_tokens for t in chunk], dtype=torch.long)
-        return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval), matched)
+        # every chunk but a partial last one holds whole decay rows, so they concatenate in order
+        decay = DecaySummary(torch.cat(chunk_decay)) if all(d is not None for d in chunk_decay) else None
+        return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)

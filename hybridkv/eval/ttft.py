@@ -14,8 +14,19 @@ from pathlib import Path
 from hybridkv.eval.validate import ValidateConfig, run_validate
 from hybridkv.models import HybridModel
 
-TTFT_METHODS = ["full", "tail-replay", "tail-replay-recompute", "checkpoint", "seeded-replay"]
-FIELDS = ("method", "budget", "prefix_length", "ttft_s", "full_ttft_s", "speedup", "bound", "kl_mean")
+TTFT_METHODS = ["full", "tail-replay", "tail-replay-recompute", "adaptive-replay", "checkpoint", "seeded-replay"]
+FIELDS = (
+    "method",
+    "budget",
+    "prefix_length",
+    "replayed_tokens",
+    "ttft_s",
+    "full_ttft_s",
+    "speedup",
+    "bound",
+    "decay_bound",
+    "kl_mean",
+)
 
 
 def run_ttft(model: HybridModel, config: ValidateConfig, out: Path, show_progress: bool = True) -> dict:
@@ -32,16 +43,17 @@ def run_ttft(model: HybridModel, config: ValidateConfig, out: Path, show_progres
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| method | budget | prefix | TTFT s | full s | speedup | bound | of bound | KL |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | budget | prefix | replayed | TTFT s | full s | speedup | bound | of bound | decay bound | KL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         bound = f"{r['bound']:.1f}x" if r["bound"] else "—"
         share = f"{r['of_bound']:.0%}" if r["of_bound"] else "—"
+        decay = f"{r['decay_bound']:.1e}" if r.get("decay_bound") is not None else "—"
         lines.append(
             f"| {r['method']} | {r['budget'] if r['budget'] is not None else '—'} | {r['prefix_length']} | "
-            f"{r['ttft_s']:.3f} | {r['full_ttft_s']:.3f} | {r['speedup']:.2f}x | {bound} | {share} | "
-            f"{r['kl_mean']:.2e} |"
+            f"{r.get('replayed_tokens', '—')} | {r['ttft_s']:.3f} | {r['full_ttft_s']:.3f} | {r['speedup']:.2f}x | "
+            f"{bound} | {share} | {decay} | {r['kl_mean']:.2e} |"
         )
     return "\n".join(lines)
 

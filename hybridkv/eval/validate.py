@@ -28,7 +28,7 @@ from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
-from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute, get_method
+from hybridkv.methods import METHODS, Budget, RecoveryMethod, dropped_state_bound, execute, get_method
 from hybridkv.methods.full import Full
 from hybridkv.models import DEFAULT_MODEL, HybridModel
 from hybridkv.models.cost import CostModel, cost_model
@@ -178,6 +178,8 @@ def validate_prefix(
                 # the cost model turns that into the speedup over full prefill that FLOPs allow.
                 "state_position": recipe.state_position,
                 "bound": costs.speedup_bound(prompt.numel(), recipe.state_position) if costs else None,
+                # Share of the dropped linear states that can survive to the hit (decay summary).
+                "decay_bound": dropped_state_bound(hit, recipe),
                 "kl_mean": kl_mean(reference.logits, outcome.logits),
                 "top1_agreement": top1_agreement(reference.logits, outcome.logits),
                 "greedy_agreement": greedy_agreement(reference_greedy, greedy),

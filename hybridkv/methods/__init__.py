@@ -1,7 +1,8 @@
 """Recovery methods: one file each, one protocol (`RecoveryMethod.recipe`), one executor."""
 
 from hybridkv.errors import HybridKVError
-from hybridkv.methods.base import Budget, Outcome, Recipe, RecoveryMethod, execute
+from hybridkv.methods.adaptive_replay import AdaptiveReplay
+from hybridkv.methods.base import Budget, Outcome, Recipe, RecoveryMethod, dropped_state_bound, execute
 from hybridkv.methods.checkpoint import Checkpoint
 from hybridkv.methods.full import Full
 from hybridkv.methods.seeded_replay import SeededReplay
@@ -11,7 +12,15 @@ from hybridkv.methods.zero_state import ZeroState
 
 METHODS: dict[str, RecoveryMethod] = {
     method.name: method
-    for method in (Full(), ZeroState(), Checkpoint(), TailReplay(), TailReplayRecompute(), SeededReplay())
+    for method in (
+        Full(),
+        ZeroState(),
+        Checkpoint(),
+        TailReplay(),
+        TailReplayRecompute(),
+        SeededReplay(),
+        AdaptiveReplay(),
+    )
 }
 
 
@@ -22,4 +31,4 @@ def get_method(name: str) -> RecoveryMethod:
         raise HybridKVError(f"unknown method {name!r}; known: {', '.join(METHODS)}") from None
 
 
-__all__ = ["METHODS", "Budget", "Outcome", "Recipe", "RecoveryMethod", "execute", "get_method"]
+__all__ = ["METHODS", "Budget", "Outcome", "Recipe", "RecoveryMethod", "dropped_state_bound", "execute", "get_method"]

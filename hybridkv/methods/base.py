@@ -100,6 +100,20 @@ class Outcome:
     recomputed_tokens: int  # prompt tokens whose attention KV was computed here
 
 
+def dropped_state_bound(hit: Hit | None, recipe: Recipe) -> float | None:
+    """Bound on how much of the linear states lost by `recipe` can still be present at the hit.
+
+    0 when the states are exact (seeded from a checkpoint, or started at position 0); otherwise
+    the decay summary's bound over [state position, matched length), 1 meaning no guarantee;
+    None when the cached prompt has no decay summary.
+    """
+    if hit is None or recipe.state_seed or recipe.state_position == 0:
+        return 0.0
+    if hit.cached.decay is None:
+        return None
+    return hit.cached.decay.bound(recipe.state_position, hit.length)
+
+
 def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
     if hit is None:
         return

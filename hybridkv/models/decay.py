@@ -1,0 +1,167 @@
+"""How fast each linear layer forgets, read off the model's own gates while a prompt is cached.
+
+A linear layer's state after a window is its state before the window, decayed, plus what the
+window wrote. For the delta-rule layers (KDA, Gated DeltaNet) one step is
+S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t−1} + β_t k_t v_tᵀ, with ‖k_t‖ = 1 (the kernels L2-normalise
+k) and β_t ∈ (0, 1), so I − β_t k_t k_tᵀ is a contraction. A wrong starting state (zero instead of
+the true S_s) therefore leaves an error at n of at most
+
+    ‖S_n − S'_n‖ ≤ ‖S_s‖ · Π_{t∈[s,n)} max_c α_t,c = ‖S_s‖ · exp(Σ_t max_c log α_t,c)
+
+per head: the slowest-forgetting channel decides. KDA's α is per key channel, GDN's per head.
+Mamba-2's S_t = exp(Δ_t A) S_{t−1} + … decays a head's whole state by exp(Δ_t A): the same bound
+with log α_t = Δ_t A, and there it is an equality.
+That relative bound, maximised over layers and heads, is what adaptive-replay keeps below ε.
+
+At capture time we add up max_c log α_t,c over each `DECAY_CHUNK`-token chunk (absolute chunk
+positions), per linear layer and head: a few KB per prompt, next to megabytes of KV.
+The gates come from the model's own modules through forward hooks, never recomputed by us,
+except GDN's and Mamba-2's one-line gate formulas (the modules expose only their inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.models.loader import HybridModel
+
+DECAY_CHUNK = 64  # tokens per summary row; a multiple of it is the stored KV chunk size
+
+# A probe turns one hooked module's output into the per-token worst log-decay, [tokens, heads].
+Probe = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecaySummary:
+    """Per chunk c (tokens [c·C, (c+1)·C)): Σ over its tokens of max_c log α, per linear layer and head."""
+
+    log_decay: torch.Tensor  # float32 [chunks, linear layers, heads], every entry ≤ 0
+    chunk: int = DECAY_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.log_decay.dim() != 3:
+            raise ValueError(f"decay summary must be [chunks, layers, heads], got {tuple(self.log_decay.shape)}")
+
+    @property
+    def chunks(self) -> int:
+        return self.log_decay.shape[0]
+
+    def bound(self, start: int, end: int) -> float:
+        """Upper bound on ‖error at end‖ / ‖state at start‖ when the state at `start` is replaced by zero.
+
+        Only chunks wholly inside [start, end) count (a partial chunk might forget less), so the
+        bound is conservative; 0 when start is 0 (nothing is dropped).
+        """
+        if start == 0:
+            return 0.0
+        first, last = -(-start // self.chunk), min(end // self.chunk, self.chunks)
+        if last <= first:
+            return 1.0
+        per_head = self.log_decay[first:last].sum(0)  # [layers, heads]
+        return math.exp(float(per_head.max()))
+
+    def shortest_tail(self, end: int, tolerance: float, longest: int) -> tuple[int, float]:
+        """The shortest replay tail t ≤ `longest` ending at `end` whose bound is below `tolerance`.
+
+        Tails start on chunk boundaries. If none within `longest` qualifies, returns `longest`
+        with its own bound: the caller's budget caps the work, and the bound says what it buys.
+        """
+        for start in range(end // self.chunk * self.chunk, end - longest - 1, -self.chunk):
+            bound = self.bound(start, end)
+            if bound < tolerance:
+                return end - start, bound
+        return longest, self.bound(end - longest, end)
+
+    def prefix(self, tokens: int) -> DecaySummary:
+        """The rows that lie wholly inside the first `tokens` tokens."""
+        return DecaySummary(self.log_decay[: tokens // self.chunk], self.chunk)
+
+
+def _worst_channel(gate: torch.Tensor) -> torch.Tensor:
+    """KDA: the forget gate returns log α per key channel, [B, T, H, D] -> worst channel [T, H]."""
+    return gate[0].float().amax(-1)
+
+
+def _gdn_gate(mixer: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet: log α = −exp(A_log) · softplus(a + dt_bias), one per head, [T, H]."""
+    return -mixer.A_log.float().exp() * F.softplus(a[0].float() + mixer.dt_bias.float())
+
+
+def _qwen3_next_a(mixer: nn.Module) -> Probe:
+    """Qwen3-Next packs (b, a) per key-head group in `in_proj_ba`; unpack `a` as the model does."""
+
+    def probe(mixed_ba: torch.Tensor) -> torch.Tensor:
+        group = mixer.num_v_heads // mixer.num_k_heads
+        grouped = mixed_ba.view(*mixed_ba.shape[:-1], mixer.num_k_heads, 2 * group)
+        a = grouped[..., group:].reshape(*mixed_ba.shape[:-1], mixer.num_v_heads)
+        return _gdn_gate(mixer, a)
+
+    return probe
+
+
+def _mamba2_dt(mixer: nn.Module) -> Probe:
+    """Mamba-2: `in_proj` ends with the per-head Δ; log decay = Δ·A with Δ = clamp(softplus(Δ + dt_bias))."""
+
+    def probe(projected: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(projected[0, :, -mixer.num_heads :].float() + mixer.dt_bias.float())
+        dt = dt.clamp(*mixer.time_step_limit)
+        return dt * -mixer.A_log.float().exp()
+
+    return probe
+
+
+def _probe_for(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
+    """The module to hook in one decoder layer, and how to read its output; None if unknown."""
+    for _, module in layer.named_modules():
+        if type(module).__name__.endswith("ForgetGate"):  # KDA (GLM-5.3-Flash, Kimi Linear)
+            return module, _worst_channel
+        if hasattr(module, "A_log") and hasattr(module, "in_proj_ba"):  # Qwen3-Next GDN
+            return module.in_proj_ba, _qwen3_next_a(module)
+        if hasattr(module, "A_log") and hasattr(module, "a_proj"):  # OLMo Hybrid GDN
+            return module.a_proj, lambda a, mixer=module: _gdn_gate(mixer, a)
+        if hasattr(module, "A_log") and hasattr(module, "time_step_limit"):  # Mamba-2 (Nemotron-H)
+            return module.in_proj, _mamba2_dt(module)
+    return None
+
+
+def has_decay_probe(model: HybridModel) -> bool:
+    layers = model.backbone.layers
+    return all(_probe_for(layers[index]) is not None for index in model.description.linear_layers)
+
+
+@contextmanager
+def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None]:
+    """While active, every forward appends each linear layer's per-token worst log-decay.
+
+    Yields one list per linear layer (in `description.linear_layers` order) that collects
+    [tokens, heads] tensors, or None when the architecture has no probe.
+    """
+    if not has_decay_probe(model):
+        yield None
+        return
+    recorded: list[list[torch.Tensor]] = [[] for _ in model.description.linear_layers]
+    handles = []
+    for slot, index in enumerate(model.description.linear_layers):
+        module, probe = _probe_for(model.backbone.layers[index])
+        handles.append(module.register_forward_hook(lambda _m, _i, out, p=probe, s=slot: recorded[s].append(p(out))))
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def summarise(recorded: list[list[torch.Tensor]], chunk: int = DECAY_CHUNK) -> DecaySummary:
+    """Sum the recorded per-token worst log-decays over whole chunks."""
+    per_layer = [torch.cat(parts) for parts in recorded]  # each [T, H]
+    tokens = per_layer[0].shape[0]
+    whole = tokens // chunk * chunk
+    stacked = torch.stack([values[:whole] for values in per_layer], dim=1)  # [T', layers, H]
+    return DecaySummary(stacked.view(whole // chunk, chunk, *stacked.shape[1:]).sum(1).contiguous(), chunk)

@@ -1,0 +1,125 @@
+"""adaptive-replay and the decay summary it reads, on every tiny architecture.
+
+The summary claims: drop a linear layer's recurrent state at s, replay [s, n) from zero, and
+the state at n is off by at most exp(Σ log-decay over the chunks in [s, n)) times the dropped
+state's norm (an equality for Mamba-2). The first decoder layer of every tiny model is a linear
+layer whose inputs are exact during a replay, so there the claim is checked directly against
+the states the model itself produces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.cache import LinearState, PrefixCache, assemble_cache, capture_prompt
+from hybridkv.cache.stored import StoredPrefixCache
+from hybridkv.methods import Budget, dropped_state_bound, execute, get_method
+from hybridkv.methods.adaptive_replay import AdaptiveReplay
+from hybridkv.models import TINY_MODELS
+from hybridkv.models.decay import DECAY_CHUNK
+from hybridkv.store import GuardedStore, open_store
+from tests.conftest import random_tokens
+
+NAMES = list(TINY_MODELS)
+START, END = 2 * DECAY_CHUNK, 6 * DECAY_CHUNK  # a replay window on chunk boundaries
+
+
+@pytest.fixture(scope="module")
+def captured(models):
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = models[name]
+            tokens = random_tokens(8 * DECAY_CHUNK, seed=5, vocab=model.config.vocab_size)
+            built[name] = (model, tokens, capture_prompt(model, tokens, checkpoint_interval=DECAY_CHUNK))
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_first_layer_state_error_obeys_the_decay_bound(captured, name):
+    model, tokens, cached = captured(name)
+    first = model.description.linear_layers[0]
+    assert first == 0  # its inputs during the replay are exact, so only the dropped state differs
+    true_start, true_end = cached.checkpoints[START], cached.checkpoints[END]
+    # Drop only the recurrent state at START (keep the conv window), then replay [START, END).
+    states = {index: LinearState(state.conv, torch.zeros_like(state.recurrent)) for index, state in true_start.items()}
+    cache = assemble_cache(model, cached.kv_prefix(model, START), states)
+    model.forward(tokens[START:END], cache, start=START)
+    error = (true_end[first].recurrent - cache.layers[first].recurrent_states[0]).double()[0]  # [H, ...]
+    dropped = true_start[first].recurrent.double()[0]
+    per_head_bound = cached.decay.log_decay[START // DECAY_CHUNK : END // DECAY_CHUNK, 0].double().sum(0).exp()
+    ratio = error.flatten(1).norm(dim=1) / dropped.flatten(1).norm(dim=1)
+    assert ratio.shape == per_head_bound.shape
+    assert (ratio <= per_head_bound * (1 + 1e-4) + 1e-6).all(), (ratio, per_head_bound)
+    assert (per_head_bound < 1).any()  # not vacuous: some head forgets measurably
+    if name == "tiny-nemotron-h":  # Mamba-2 decays the whole state by exactly that factor
+        torch.testing.assert_close(ratio, per_head_bound, rtol=1e-3, atol=1e-7)
+    # the summary's bound is the worst head of the worst layer
+    assert cached.decay.bound(START, END) >= float(per_head_bound.max()) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_adaptive_tail_is_the_shortest_under_the_tolerance(captured, name):
+    model, tokens, cached = captured(name)
+    store = PrefixCache()
+    store.add(cached)
+    prompt = torch.cat([tokens[: 7 * DECAY_CHUNK + 10], torch.tensor([1, 2, 3])])
+    hit = store.lookup(prompt)
+    matched = hit.length
+    for tolerance in (0.5, 0.1, 1e-2, 1e-3):
+        method = AdaptiveReplay(tolerance=tolerance)
+        recipe = method.recipe(hit, Budget(fraction=1.0))
+        tail = matched - recipe.state_position
+        assert recipe.exact_kv_tokens == matched
+        assert recipe.state_position % DECAY_CHUNK == 0
+        bound = dropped_state_bound(hit, recipe)
+        assert bound < tolerance or recipe.state_position == 0
+        shorter = recipe.state_position + DECAY_CHUNK
+        if shorter <= matched:  # one chunk less would not have reached the tolerance
+            assert cached.decay.bound(shorter, matched) >= tolerance
+        capped = method.recipe(hit, Budget(tokens=DECAY_CHUNK))
+        assert matched - capped.state_position == min(tail, DECAY_CHUNK)
+
+
+def test_adaptive_replay_of_everything_is_exact(captured):
+    model, tokens, cached = captured("tiny-glm5-next")
+    store = PrefixCache()
+    store.add(cached)
+    prompt = torch.cat([tokens[:300], torch.tensor([7, 8, 9, 10])])
+    hit = store.lookup(prompt)
+    reference = model.forward(prompt, model.new_cache(), start=0, logits_to_keep=4)
+    recipe = AdaptiveReplay(tolerance=0.0).recipe(hit, Budget(fraction=1.0))  # nothing is below 0: replay all
+    assert recipe.state_position == 0
+    outcome = execute(model, prompt, hit, recipe, logits_to_keep=4)
+    torch.testing.assert_close(outcome.logits, reference, atol=1e-4, rtol=0)
+
+
+def test_decay_summary_round_trips_through_a_store(captured):
+    model, tokens, cached = captured("tiny-qwen3-next")
+    stored = StoredPrefixCache(model, GuardedStore(open_store("memory://")))
+    stored.add(cached)
+    prompt = torch.cat([tokens[: 5 * DECAY_CHUNK + 20], torch.tensor([1, 2])])
+    hit = stored.lookup(prompt)
+    assert hit.length == 5 * DECAY_CHUNK + 20
+    rows = hit.cached.decay.log_decay
+    assert rows.shape[0] >= hit.length // DECAY_CHUNK
+    assert torch.equal(rows, cached.decay.log_decay[: rows.shape[0]])
+    method = get_method("adaptive-replay")
+    local = PrefixCache()
+    local.add(cached)
+    assert method.recipe(hit, Budget(fraction=0.5)) == method.recipe(local.lookup(prompt), Budget(fraction=0.5))
+
+
+def test_adaptive_replay_without_a_summary_replays_the_budget(captured):
+    model, tokens, cached = captured("tiny-glm5-next")
+    store = PrefixCache()
+    store.add(type(cached)(cached.tokens, cached.attention))  # a cached prompt written without gates
+    hit = store.lookup(torch.cat([tokens[:200], torch.tensor([1])]))
+    budget = Budget(fraction=0.05)
+    recipe = get_method("adaptive-replay").recipe(hit, budget)
+    assert recipe == get_method("tail-replay").recipe(hit, budget)
+    assert dropped_state_bound(hit, recipe) is None
