@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.models.cost import LayerCost, _attended, cost_model
+from hybridkv.models.cost import H200, LayerCost, _attended, cost_model
 from hybridkv.models.plan import Workload, cache_sizes, load_config, make_plan
 
 
@@ -83,3 +83,36 @@ def test_plan_cli_json_and_errors(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(tmp_path)]) == 2
     assert "cannot read its config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny-glm5-next", "tiny-qwen3-next"])
+def test_weights_read_by_a_large_call_are_the_models_own_parameters(models, name):
+    """Every expert touched: the cost model's weight bytes equal the loaded model's matrices."""
+    model = models[name]
+    costs = cost_model(model.config)
+    predicted = sum(layer.weights_read(10**7) for layer in costs.layers) + costs.head_bytes
+    matrices = sum(p.numel() for n, p in model.backbone.named_parameters() if p.dim() >= 2 and "embed" not in n)
+    matrices += model.lm_head.weight.numel()
+    assert predicted / 2 == pytest.approx(matrices, rel=1e-3)  # bf16; norms and biases left out
+
+
+def test_roofline_time_is_the_slower_of_compute_and_memory():
+    costs = cost_model(load_config("glm-5.3-flash"))
+    machine = H200
+    for start, end in [(0, 32768), (32704, 32768), (0, 1), (31000, 32768)]:
+        compute = costs.prefill_flops(start, end) / machine.flops_per_s
+        memory = costs.prefill_bytes(start, end) / machine.bytes_per_s
+        assert costs.seconds(start, end, machine) == max(compute, memory)
+    # a 64-token call on a 313B-parameter MoE mostly reads weights; a 32K prefill mostly computes
+    assert costs.prefill_bytes(32704, 32768) / H200.bytes_per_s > costs.prefill_flops(32704, 32768) / H200.flops_per_s
+    assert costs.prefill_flops(0, 32768) / H200.flops_per_s > costs.prefill_bytes(0, 32768) / H200.bytes_per_s
+    # more tokens never read fewer experts, and a call never reads more than all of them
+    layer = costs.layers[-1]
+    reads = [layer.weights_read(n) for n in (1, 8, 64, 4096)]
+    assert reads == sorted(reads) and reads[-1] <= layer.weight_bytes + layer.expert_bytes * layer.experts
+
+
+def test_plan_reports_the_roofline_beside_the_flop_ratio():
+    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(32768,)))
+    for p in plan.predictions:
+        assert 1.0 <= p["roofline_speedup"] <= p["predicted_speedup"] * (1 + 1e-9), p

@@ -12,9 +12,23 @@ Counted (2 FLOPs per multiply-accumulate, forward only):
   state entry per token (state decay and update, and the output read-out, in chunked form);
 - the LM head once per prompt (only the last position's logits are needed).
 
-Not counted: norms, activations, softmax, rotary embeddings, memory traffic and kernel launch
-overheads. A prediction is meant as the speedup an ideal implementation would see. On transformers' CPU code the
-measured speedups of short tails exceed it: full prefill there costs more than its FLOPs (see benchmarks/NOTES.md).
+Bytes moved per forward call (bf16 weights and KV, float32 states):
+
+- weights once per call: every dense projection, the shared experts and the router, and each
+  routed expert that at least one token of the call selects (E·(1 − (1 − k/E)^n) of E for n tokens);
+- activations: a few reads and writes of the residual streams per token and layer;
+- attention context: a dense kernel reads the cached KV once per block of `QUERY_BLOCK` queries;
+  a sparse (DSA) kernel gathers each query's top-k latents separately, while the indexer's keys
+  are read densely;
+- linear layers: the recurrent and conv state read and written once per call.
+
+`roofline_speedup` turns both into time on a `Machine` (max of FLOPs / peak and bytes /
+bandwidth per call): short calls are weight-bound, which the FLOP ratio alone hides.
+
+Not counted: norms, softmax, rotary embeddings and kernel launch overheads. Predictions are
+what an ideal implementation would see. On transformers' CPU code the measured speedups of
+short tails exceed the FLOP ratio: its linear-layer fallback (a Python loop over chunks) runs
+at far fewer FLOP/s than attention's matmuls (see benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -22,6 +36,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hybridkv.errors import HybridKVError
+
+QUERY_BLOCK = 128  # queries that share one read of the context in a dense attention kernel
+WEIGHT_BYTES = 2  # bfloat16 weights, KV and activations
+STATE_BYTES = 4  # float32 recurrent states
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    flops_per_s: float  # dense bf16 peak
+    bytes_per_s: float  # memory bandwidth
+
+
+H200 = Machine("H200", flops_per_s=989e12, bytes_per_s=4.8e12)
 
 
 @dataclass(frozen=True)
@@ -31,6 +59,20 @@ class LayerCost:
     flops_per_context_token: float = 0.0  # per attended earlier token (attention only)
     max_attended: int | None = None  # DSA top-k: at most this many tokens attended
     flops_per_pooled_token: float = 0.0  # the DSA indexer: per context token, never capped
+    weight_bytes: float = 0.0  # read once per call: projections, shared experts, router
+    expert_bytes: float = 0.0  # one routed expert's weights
+    experts: int = 0  # routed experts E
+    experts_per_token: int = 0  # top-k
+    activation_bytes_per_token: float = 0.0
+    kv_bytes_per_token: float = 0.0  # attention: cached entries gathered per attended token (sparse) or block
+    index_bytes_per_token: float = 0.0  # DSA indexer keys, always read densely
+    state_bytes: float = 0.0  # linear: recurrent + conv state, read and written once per call
+
+    def weights_read(self, tokens: int) -> float:
+        if not self.experts or tokens == 0:
+            return self.weight_bytes if tokens else 0.0
+        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+        return self.weight_bytes + self.expert_bytes * touched
 
 
 def _attended(start: int, end: int, cap: int | None) -> float:
@@ -48,6 +90,7 @@ class CostModel:
     model_type: str
     layers: tuple[LayerCost, ...]
     head_flops: float  # the LM head, once per prompt
+    head_bytes: float = 0.0  # its weights, read once
 
     def prefill_flops(self, start: int, end: int) -> float:
         """FLOPs to push positions [start, end) through the model, attending to [0, p] each."""
@@ -62,6 +105,33 @@ class CostModel:
         """Full prefill of `prompt` tokens over a method that computes only [recompute_from, prompt)."""
         return self.prefill_flops(0, prompt) / self.prefill_flops(recompute_from, prompt)
 
+    def prefill_bytes(self, start: int, end: int) -> float:
+        """Bytes moved to push positions [start, end) through the model in one call."""
+        tokens = end - start
+        if tokens <= 0:
+            return 0.0
+        total = self.head_bytes
+        dense_reads = _attended(start, end, None) / QUERY_BLOCK  # context tokens read, per block of queries
+        for layer in self.layers:
+            total += layer.weights_read(tokens) + layer.activation_bytes_per_token * tokens
+            total += 2 * layer.state_bytes
+            if layer.max_attended is not None:
+                total += layer.kv_bytes_per_token * _attended(start, end, layer.max_attended)
+            else:
+                total += layer.kv_bytes_per_token * dense_reads
+            total += layer.index_bytes_per_token * dense_reads
+        return total
+
+    def seconds(self, start: int, end: int, machine: Machine = H200) -> float:
+        """Roofline time of one call: the larger of compute time and memory time."""
+        return max(
+            self.prefill_flops(start, end) / machine.flops_per_s, self.prefill_bytes(start, end) / machine.bytes_per_s
+        )
+
+    def roofline_speedup(self, prompt: int, recompute_from: int, machine: Machine = H200) -> float:
+        """Full prefill over [recompute_from, prompt), both as roofline time on `machine`."""
+        return self.seconds(0, prompt, machine) / self.seconds(recompute_from, prompt, machine)
+
 
 def _get(config, *names: str, default=None):
     for name in names:
@@ -71,69 +141,126 @@ def _get(config, *names: str, default=None):
     return default
 
 
-def _moe(config, d: int) -> float:
+@dataclass(frozen=True)
+class _FeedForward:
+    flops_per_token: float
+    dense_params: float  # shared experts and router (or the whole MLP of a dense model)
+    expert_params: float = 0.0  # one routed expert
+    experts: int = 0
+    experts_per_token: int = 0
+
+    def add_to(self, cost: LayerCost) -> LayerCost:
+        """`cost` (a mixer) followed by this feed-forward block."""
+        return replace(
+            cost,
+            flops_per_token=cost.flops_per_token + self.flops_per_token,
+            weight_bytes=cost.weight_bytes + self.dense_params * WEIGHT_BYTES,
+            expert_bytes=self.expert_params * WEIGHT_BYTES,
+            experts=self.experts,
+            experts_per_token=self.experts_per_token,
+        )
+
+
+def _dense_mlp(config, d: int) -> _FeedForward:
+    return _FeedForward(6 * d * config.intermediate_size, 3 * d * config.intermediate_size)
+
+
+def _moe(config, d: int) -> _FeedForward:
     experts = _get(config, "num_experts_per_tok", default=0)
     inter = _get(config, "moe_intermediate_size", "intermediate_size")
-    shared = _get(config, "n_shared_experts", default=0) * 6 * d * inter
+    shared = _get(config, "n_shared_experts", default=0) * 3 * d * inter
     if shared_inter := _get(config, "shared_expert_intermediate_size"):
-        shared = 6 * d * shared_inter + 2 * d  # Qwen3-Next: one gated shared expert
-    router = 2 * d * _get(config, "n_routed_experts", "num_experts", default=0)
+        shared = 3 * d * shared_inter + d  # Qwen3-Next: one gated shared expert
+    routed = _get(config, "n_routed_experts", "num_experts", default=0)
+    router = d * routed
     if not experts:
-        return 6 * d * config.intermediate_size
-    return experts * 6 * d * inter + shared + router
+        return _dense_mlp(config, d)
+    return _FeedForward(
+        2 * (experts * 3 * d * inter + shared + router), shared + router, 3 * d * inter, routed, experts
+    )
 
 
 def _glm5_next(config) -> CostModel:
+    from hybridkv.models.glm5 import Glm5CacheSizes
+
     d, nq = config.hidden_size, config.num_attention_heads
     qk, v, qlr, klr = config.qk_head_dim, config.v_head_dim, config.q_lora_rank, config.kv_lora_rank
     ih, inh, kpool = config.index_head_dim, config.index_n_heads, config.index_kpool
-    heads, hd = config.linear_num_heads, config.linear_head_dim
-    mlp = _moe(config, d) + 8 * config.hc_mult * d  # hyper-connections: mixing hc_mult streams
+    heads, hd, m = config.linear_num_heads, config.linear_head_dim, config.hc_mult
+    # Two hyper-connections per layer: each projects the m streams to m² + 2m mixing weights,
+    # mixes the streams (m² d) and folds them in and out (2 m d).
+    hc_params = 2 * m * d * (m * m + 2 * m)
+    hc_macs = hc_params + 2 * (m * m * d + 2 * m * d)
+    sizes = Glm5CacheSizes.from_config(config, WEIGHT_BYTES, STATE_BYTES)
+    activations = 4 * m * d * WEIGHT_BYTES  # the streams read and written, in and out
+    latent = (klr + config.qk_rope_head_dim) * WEIGHT_BYTES
+    mla_params = (
+        d * qlr + qlr * nq * qk + d * (klr + config.qk_rope_head_dim)
+        + klr * nq * (config.qk_nope_head_dim + v) + nq * v * d
+        + qlr * inh * ih + 2 * d * ih + d * inh  # indexer: q, k, k-pool gate, head weights
+    )  # fmt: skip
     mla = LayerCost(
         "attention",
-        flops_per_token=2 * (d * qlr + qlr * nq * qk + d * (klr + config.qk_rope_head_dim))
-        + 2 * klr * nq * (config.qk_nope_head_dim + v)
-        + 2 * nq * v * d
-        + 2 * (qlr * inh * ih + d * ih + d * inh)  # indexer projections
-        + mlp,
+        flops_per_token=2 * (mla_params + hc_macs),
         flops_per_context_token=2 * nq * (qk + v),
         max_attended=config.index_topk,
         flops_per_pooled_token=2 * inh * ih / kpool,
+        weight_bytes=(mla_params + hc_params) * WEIGHT_BYTES,
+        activation_bytes_per_token=activations,
+        kv_bytes_per_token=latent,
+        index_bytes_per_token=sizes.kv_bytes_per_token_per_layer - latent,
+    )
+    kda_params = (
+        d * heads * hd * 3  # q, k, v
+        + 2 * (d * hd + hd * heads * hd)  # channel-wise decay gate and output gate, low rank
+        + d * heads  # beta
+        + heads * hd * d  # output projection
+        + 3 * heads * hd * config.linear_conv_kernel_dim  # short convolutions on q, k, v
     )
     kda = LayerCost(
         "linear",
-        flops_per_token=2 * d * heads * hd * 5  # q, k, v, channel-wise decay gate, output gate
-        + 2 * d * heads  # beta
-        + 2 * heads * hd * d  # output projection
-        + 2 * 3 * heads * hd * config.linear_conv_kernel_dim  # short convolutions on q, k, v
-        + 6 * heads * hd * hd  # recurrence
-        + mlp,
+        flops_per_token=2 * (kda_params + hc_macs) + 6 * heads * hd * hd,  # + the recurrence
+        weight_bytes=(kda_params + hc_params) * WEIGHT_BYTES,
+        activation_bytes_per_token=activations,
+        state_bytes=sizes.state_bytes_per_layer,
     )
-    layers = tuple(mla if kind == "indexed_attention" else kda for kind in config.layer_types)
-    return CostModel(config.model_type, layers, 2 * d * config.vocab_size)
+    feed_forward = {"dense": _dense_mlp(config, d), "sparse": _moe(config, d)}
+    layers = tuple(
+        feed_forward[mlp].add_to(mla if kind == "indexed_attention" else kda)
+        for kind, mlp in zip(config.layer_types, config.mlp_layer_types, strict=True)
+    )
+    head = d * config.vocab_size
+    return CostModel(config.model_type, layers, 2 * head, head * WEIGHT_BYTES)
 
 
 def _qwen3_next(config) -> CostModel:
     d, nq, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    mlp = _moe(config, d)
+    ffn = _moe(config, d)
+    activations = 4 * d * WEIGHT_BYTES
+    attention_params = d * (2 * nq * hd + 2 * nkv * hd) + nq * hd * d  # gated q, k, v, o
     attention = LayerCost(
         "attention",
-        flops_per_token=2 * d * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * hd * d + mlp,  # gated q, k, v, o
+        flops_per_token=2 * attention_params,
         flops_per_context_token=4 * nq * hd,
+        weight_bytes=attention_params * WEIGHT_BYTES,
+        activation_bytes_per_token=activations,
+        kv_bytes_per_token=2 * nkv * hd * WEIGHT_BYTES,
     )
     conv_channels = 2 * hk * dk + hv * dv
+    gdn_params = d * (conv_channels + hv * dv + 2 * hv) + hv * dv * d + conv_channels * config.linear_conv_kernel_dim
     gdn = LayerCost(
         "linear",
-        flops_per_token=2 * d * (conv_channels + hv * dv + 2 * hv)  # q, k, v, z, b, a
-        + 2 * hv * dv * d
-        + 2 * conv_channels * config.linear_conv_kernel_dim
-        + 6 * hv * dk * dv
-        + mlp,
+        flops_per_token=2 * gdn_params + 6 * hv * dk * dv,  # q, k, v, z, b, a; the recurrence
+        weight_bytes=gdn_params * WEIGHT_BYTES,
+        activation_bytes_per_token=activations,
+        state_bytes=hv * dk * dv * STATE_BYTES + conv_channels * config.linear_conv_kernel_dim * WEIGHT_BYTES,
     )
+    attention, gdn = ffn.add_to(attention), ffn.add_to(gdn)
     layers = tuple(attention if kind == "full_attention" else gdn for kind in config.layer_types)
-    return CostModel(config.model_type, layers, 2 * d * config.vocab_size)
+    head = d * config.vocab_size
+    return CostModel(config.model_type, layers, 2 * head, head * WEIGHT_BYTES)
 
 
 _BUILDERS = {"glm5_next": _glm5_next, "glm5_next_text": _glm5_next, "qwen3_next": _qwen3_next}

@@ -8,7 +8,8 @@ is kept — it gives the cache memory of
 - `tail-replay`: attention KV only (states are rebuilt by replaying a tail on a hit);
 
 and, per method, the tokens recomputed on a hit and the speedup over full prefill that the cost
-model (`hybridkv.models.cost`) predicts from FLOPs alone.
+model (`hybridkv.models.cost`) predicts: from FLOPs alone, and as roofline time on an H200
+(FLOPs and bytes moved), where a short call is bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods import Budget
-from hybridkv.models.cost import cost_model
+from hybridkv.models.cost import H200, cost_model
 
 GLM_5_3_FLASH = "glm-5.3-flash"
 
@@ -122,6 +123,7 @@ def make_plan(model: str, workload: Workload = Workload()) -> Plan:
                     "prefix_length": length,
                     "recomputed_tokens": prompt - start,
                     "predicted_speedup": costs.speedup_bound(prompt, start),
+                    "roofline_speedup": costs.roofline_speedup(prompt, start, H200),
                 }
             )
     return plan
@@ -146,12 +148,12 @@ def plan_table(plan: Plan, workload: Workload) -> str:
     ]
     lines += [
         "",
-        "| method | budget | prefix | recomputed tokens | predicted speedup (bound) |",
-        "|---|---|---|---|---|",
+        "| method | budget | prefix | recomputed tokens | predicted speedup, FLOPs | H200 roofline, batch of one |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {p['method']} | {p['budget'] or '—'} | {p['prefix_length']} | {p['recomputed_tokens']} | "
-        f"{p['predicted_speedup']:.1f}x |"
+        f"{p['predicted_speedup']:.1f}x | {p['roofline_speedup']:.1f}x |"
         for p in plan.predictions
     ]
     return "\n".join(lines)
