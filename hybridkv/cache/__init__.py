@@ -1,10 +1,12 @@
 """Cached prompts, token-level prefix matching, and assembling transformers caches from them."""
 
 from hybridkv.cache.assemble import (
+    assemble_batch,
     assemble_cache,
     exact_attention_for_first_tokens,
     set_attention,
     set_linear_states,
+    split_batch,
     zero_states,
 )
 from hybridkv.cache.prefix_cache import Hit, PrefixCache
@@ -17,6 +19,7 @@ __all__ = [
     "LinearState",
     "PrefixCache",
     "PrefixIndex",
+    "assemble_batch",
     "assemble_cache",
     "exact_attention_for_first_tokens",
     "capture_prompt",
@@ -24,5 +27,6 @@ __all__ = [
     "read_linear_states",
     "set_attention",
     "set_linear_states",
+    "split_batch",
     "zero_states",
 ]

@@ -3,6 +3,7 @@
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
 from hybridkv.methods.base import Budget, Outcome, Recipe, RecoveryMethod, dropped_state_bound, execute
+from hybridkv.methods.batch import execute_batch
 from hybridkv.methods.checkpoint import Checkpoint
 from hybridkv.methods.full import Full
 from hybridkv.methods.seeded_replay import SeededReplay
@@ -31,4 +32,14 @@ def get_method(name: str) -> RecoveryMethod:
         raise HybridKVError(f"unknown method {name!r}; known: {', '.join(METHODS)}") from None
 
 
-__all__ = ["METHODS", "Budget", "Outcome", "Recipe", "RecoveryMethod", "dropped_state_bound", "execute", "get_method"]
+__all__ = [
+    "METHODS",
+    "Budget",
+    "Outcome",
+    "Recipe",
+    "RecoveryMethod",
+    "dropped_state_bound",
+    "execute",
+    "execute_batch",
+    "get_method",
+]

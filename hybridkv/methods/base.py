@@ -151,7 +151,7 @@ def execute(
     cache = assemble_cache(model, kv, states)
     # Replay and suffix run as one forward over [s, end): the linear layers carry their states
     # through the tail, while the attention layers keep the exact cached KV of [s, n).
-    with exact_attention_for_first_tokens(model, cache, hit.cached.kv_range(model, s, n) if n > s else {}):
+    with exact_attention_for_first_tokens(model, cache, [hit.cached.kv_range(model, s, n) if n > s else None]):
         logits = model.forward(prompt[s:], cache, start=s, logits_to_keep=logits_to_keep)
     return Outcome(
         logits=logits,

@@ -55,12 +55,32 @@ class HybridModel:
         Returns the logits of the last `logits_to_keep` positions as float32 [n, vocab], or None.
         """
         positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
+        logits = self.forward_batch(tokens.unsqueeze(0), cache, positions, None, logits_to_keep)
+        return None if logits is None else logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        tokens: torch.Tensor,
+        cache: DynamicCache,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor | None:
+        """Rows of `tokens` [B, T] at `positions` [B, T]; `attention_mask` [B, cached + T] marks padding.
+
+        Returns float32 logits [B, logits_to_keep, vocab], or None.
+        """
         hidden = self.backbone(
-            input_ids=tokens.unsqueeze(0), position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state
         if logits_to_keep == 0:
             return None
-        return self.lm_head(hidden[0, -logits_to_keep:]).float()
+        return self.lm_head(hidden[:, -logits_to_keep:]).float()
 
 
 def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
