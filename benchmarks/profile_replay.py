@@ -49,7 +49,8 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
-        print(f"== {name}: median {median:.0f} ms over {args.repeats} runs; {elapsed * 1000:.0f} ms under cProfile\n{text.getvalue()}")
+        timing = f"median {median:.0f} ms over {args.repeats} runs; {elapsed * 1000:.0f} ms under cProfile"
+        print(f"== {name}: {timing}\n{text.getvalue()}")
 
 
 if __name__ == "__main__":
