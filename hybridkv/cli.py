@@ -132,7 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "ttft",
         help="TTFT speedups at long matched prefixes beside the cost-model bound",
         description=(
-            "Times full prefill, tail-replay (both variants), adaptive-replay (tail under a 1%% decay bound, capped "
+            "Times full prefill, tail-replay (both variants), adaptive-replay (tail under a 1% decay bound, capped "
             "by the budget), checkpoint and seeded-replay at long matched prefixes with a short suffix, each method "
             "beside full prefill in the same process (medians over repeats), and prints the measured speedup beside "
             "the FLOP bound and the decay bound. Writes OUT/summary.json and OUT/ttft.png."
