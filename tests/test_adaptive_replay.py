@@ -123,3 +123,24 @@ def test_adaptive_replay_without_a_summary_replays_the_budget(captured):
     recipe = get_method("adaptive-replay").recipe(hit, budget)
     assert recipe == get_method("tail-replay").recipe(hit, budget)
     assert dropped_state_bound(hit, recipe) is None
+
+
+def test_a_stored_chunk_with_a_malformed_decay_summary_is_rejected(captured):
+    """A tampered summary (right checksum, wrong shape) ends the walk there, like any bad chunk."""
+    from hybridkv.cache.keys import kv_chunk_key
+    from hybridkv.store.codec import Entry, decode, encode
+
+    model, tokens, cached = captured("tiny-glm5-next")
+    guarded = GuardedStore(open_store("memory://"))
+    stored = StoredPrefixCache(model, guarded)
+    stored.add(cached)
+    prompt = torch.cat([tokens[: 5 * DECAY_CHUNK], torch.tensor([1, 2])])
+    chain = stored.keys.chain(prompt[: prompt.numel() - 1])
+    key = kv_chunk_key(chain[2], int(prompt[2 * DECAY_CHUNK]))  # the third chunk
+    entry = decode(guarded.get(key), key=key, fingerprint=stored.fingerprint)
+    tensors = {**entry.tensors, "decay": entry.tensors["decay"][:, :1]}  # one linear layer instead of all
+    guarded.put(key, encode(Entry(entry.kind, entry.fingerprint, key, entry.meta, tensors)))
+    hit = stored.lookup(prompt)
+    assert hit.length == 2 * DECAY_CHUNK  # the walk stopped before the bad chunk
+    assert hit.cached.decay.chunks == 2
+    assert guarded.stats()["corrupt"] == 1
