@@ -59,29 +59,44 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Measured speedup (solid) and its cost-model bound (dashed) per method against prefix length."""
+    """Measured speedup against the cost-model bound: lines over prefix lengths, or bars for one length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = sorted({(r["method"], str(r["budget"])) for r in rows if r["method"] != "full"})
-    for index, (method, budget) in enumerate(labels):
-        group = sorted((r for r in rows if (r["method"], str(r["budget"])) == (method, budget)),
-                       key=lambda r: r["prefix_length"])  # fmt: skip
-        lengths = [r["prefix_length"] for r in group]
-        color = f"C{index % 10}"
-        name = method if budget == "None" else f"{method} @ {budget}"
-        ax.plot(lengths, [r["speedup"] for r in group], "o-", color=color, label=name)
-        if all(r["bound"] for r in group):
-            ax.plot(lengths, [r["bound"] for r in group], "--", color=color, alpha=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("matched prefix length (tokens)")
-    ax.set_ylabel("TTFT speedup over full prefill")
-    ax.set_title("measured (solid) vs cost-model bound (dashed)")
-    ax.legend(fontsize=7)
+    names = [method if budget == "None" else f"{method} @ {budget}" for method, budget in labels]
+    lengths = sorted({r["prefix_length"] for r in rows})
+    if len(lengths) == 1:
+        by_label = {(r["method"], str(r["budget"])): r for r in rows}
+        fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.5))
+        y = range(len(labels))
+        ax.barh([i + 0.2 for i in y], [by_label[label]["speedup"] for label in labels], 0.4, label="measured")
+        ax.barh([i - 0.2 for i in y], [by_label[label]["bound"] or 0 for label in labels], 0.4, label="FLOP bound",
+                alpha=0.5)  # fmt: skip
+        ax.set_yticks(list(y), names, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT speedup over full prefill")
+        ax.set_title(f"matched prefix {lengths[0]:,} tokens")
+        ax.legend(fontsize=7)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for index, ((method, budget), name) in enumerate(zip(labels, names, strict=True)):
+            group = sorted((r for r in rows if (r["method"], str(r["budget"])) == (method, budget)),
+                           key=lambda r: r["prefix_length"])  # fmt: skip
+            color = f"C{index % 10}"
+            marker = "os^v<>"[index // 10 % 6]
+            ax.plot([r["prefix_length"] for r in group], [r["speedup"] for r in group], marker + "-", color=color,
+                    label=name)  # fmt: skip
+            if all(r["bound"] for r in group):
+                ax.plot([r["prefix_length"] for r in group], [r["bound"] for r in group], "--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("matched prefix length (tokens)")
+        ax.set_ylabel("TTFT speedup over full prefill")
+        ax.set_title("measured (solid) vs cost-model bound (dashed)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
