@@ -13,6 +13,7 @@ COLUMNS = [
     ("replayed_tokens", "replayed", "{}"),
     ("recomputed_tokens", "recomputed", "{}"),
     ("kl_mean", "KL", "{:.2e}"),
+    ("decay_bound", "decay bound", "{:.1e}"),
     ("top1_agreement", "top-1", "{:.3f}"),
     ("greedy_agreement", "greedy", "{:.3f}"),
     ("split_noise_kl", "split KL", "{:.1e}"),
@@ -77,7 +78,9 @@ def render_report(results: dict) -> str:
             "",
             f"Reference: {results['reference']}. KL is mean KL(full ‖ method) in nats; top-1 is the share of "
             f"suffix positions with the same argmax; greedy is the common leading run of {config['greedy_tokens']} "
-            "greedily decoded tokens, as a fraction. `split KL` / `split Δlogit` (largest absolute logit "
+            "greedily decoded tokens, as a fraction. `decay bound`: how much of the linear states a method drops "
+            "can survive to the hit, from the gates summarised at caching time (0: exact states; 1: no guarantee). "
+            "`split KL` / `split Δlogit` (largest absolute logit "
             "difference) are the noise floor: the same model run as prefix pass + suffix from an exactly kept cache, "
             "against one pass (non-zero only where transformers' "
             "outputs depend on how a prompt is split, e.g. glm5_next past its DSA index_topk).",
