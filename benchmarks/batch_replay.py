@@ -9,38 +9,26 @@ as one `execute_batch` call, alternating in each repeat.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from common import cached_hit, parser
 
-from hybridkv.cache import PrefixCache, capture_prompt
-from hybridkv.eval.validate import make_workload
 from hybridkv.methods import Budget, execute, execute_batch, get_method
-from hybridkv.models import DEFAULT_MODEL, load_model
+from hybridkv.models import load_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--prefix-length", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--budget", default="0.05")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--batch", type=int, default=4)
+    options.add_argument("--repeats", type=int, default=3)
+    args = options.parse_args()
     model = load_model(args.model)
     method, budget = get_method("tail-replay"), Budget.parse(args.budget)
-    prompts, hits, recipes = [], [], []
-    for seed in range(args.batch):
-        work = make_workload(model, args.prefix_length, args.suffix, seed=seed)
-        cache = PrefixCache()
-        cache.add(capture_prompt(model, work.cached_prompt, None))
-        hit = cache.lookup(work.prompt)
-        prompts.append(work.prompt)
-        hits.append(hit)
-        recipes.append(method.recipe(hit, budget))
+    requests = [cached_hit(model, args.prefix_length, args.suffix, seed) for seed in range(args.batch)]
+    prompts, hits = [prompt for prompt, _ in requests], [hit for _, hit in requests]
+    recipes = [method.recipe(hit, budget) for hit in hits]
     one_by_one, batched = [], []
     execute_batch(model, prompts, hits, recipes)  # warm-up
     for _ in range(args.repeats):

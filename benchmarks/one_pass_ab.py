@@ -9,14 +9,14 @@ timed alternately on the same hit, with the recompute variant beside them; media
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from hybridkv.cache import PrefixCache, assemble_cache, capture_prompt, set_attention
-from hybridkv.eval.validate import make_workload
+from common import cached_hit, parser
+
+from hybridkv.cache import assemble_cache, set_attention
 from hybridkv.methods import Budget, execute, get_method
-from hybridkv.models import DEFAULT_MODEL, load_model
+from hybridkv.models import load_model
 
 
 def two_pass(model, prompt, hit, recipe):
@@ -28,25 +28,18 @@ def two_pass(model, prompt, hit, recipe):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--prefix-length", type=int, default=32768)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--budget", default="0.05")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    options = parser(__doc__, prefix_length=32768)
+    options.add_argument("--repeats", type=int, default=3)
+    args = options.parse_args()
     model = load_model(args.model)
-    work = make_workload(model, args.prefix_length, args.suffix, seed=0)
-    cache = PrefixCache()
-    cache.add(capture_prompt(model, work.cached_prompt, None))
-    hit = cache.lookup(work.prompt)
+    prompt, hit = cached_hit(model, args.prefix_length, args.suffix)
     budget = Budget.parse(args.budget)
     exact = get_method("tail-replay").recipe(hit, budget)
     recompute = get_method("tail-replay-recompute").recipe(hit, budget)
     paths = {
-        "two calls (old)": lambda: two_pass(model, work.prompt, hit, exact),
-        "one call (new)": lambda: execute(model, work.prompt, hit, exact),
-        "recompute variant": lambda: execute(model, work.prompt, hit, recompute),
+        "two calls (old)": lambda: two_pass(model, prompt, hit, exact),
+        "one call (new)": lambda: execute(model, prompt, hit, exact),
+        "recompute variant": lambda: execute(model, prompt, hit, recompute),
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
     for run in paths.values():  # warm-up

@@ -14,6 +14,7 @@ from hybridkv import HybridKVError
 from hybridkv.cache import Hit, PrefixCache, capture_prompt
 from hybridkv.methods import Recipe, execute, execute_batch
 from hybridkv.models import TINY_MODELS
+from tests.helpers import greedy_decode
 
 SPAN = 100  # tokens each request computes
 KEEP = 4
@@ -26,16 +27,6 @@ ROWS = [
     (70, (70, 70, False)),  # zero-state
     (0, (0, 0, False)),  # a miss: full prefill
 ]
-
-
-def greedy(model, cache, logits, start, steps=3):
-    tokens, seen = [], []
-    for i in range(steps):
-        token = logits.argmax(-1).reshape(1)
-        tokens.append(int(token))
-        logits = model.forward(token, cache, start=start + i, logits_to_keep=1)[0]
-        seen.append(logits)
-    return tokens, torch.stack(seen)
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))
@@ -65,8 +56,8 @@ def test_a_batch_answers_as_each_request_alone(models, make_workload, name):
             alone.recomputed_tokens,
         )
         assert together.cache.get_seq_length() == prompt.numel()  # padding dropped
-        tokens_b, logits_b = greedy(model, together.cache, together.logits[-1], prompt.numel())
-        tokens_a, logits_a = greedy(model, alone.cache, alone.logits[-1], prompt.numel())
+        tokens_b, logits_b = greedy_decode(model, together.cache, together.logits[-1], prompt.numel(), 3)
+        tokens_a, logits_a = greedy_decode(model, alone.cache, alone.logits[-1], prompt.numel(), 3)
         assert tokens_b == tokens_a, label
         torch.testing.assert_close(logits_b, logits_a, atol=2e-4, rtol=0, msg=label)
 

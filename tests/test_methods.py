@@ -16,6 +16,7 @@ from hybridkv import HybridKVError
 from hybridkv.cache import CachedPrompt, Hit, PrefixCache, capture_prompt
 from hybridkv.methods import METHODS, Budget, Recipe, execute, get_method
 from hybridkv.models import TINY_MODELS
+from tests.helpers import greedy_decode
 
 NAMES = list(TINY_MODELS)
 # Architectures whose linear layers are delta-rule (GDN / KDA): slow-forgetting states.
@@ -250,17 +251,6 @@ def test_token_counts(scenario, name, matched):
 
 # ---------------------------------------------------------------------------------------------
 # The returned cache: decoding continues exactly, and the store is never modified.
-
-
-def greedy_decode(model, cache, first_logits: torch.Tensor, start: int, steps: int):
-    tokens, logits_seen = [], []
-    logits = first_logits
-    for i in range(steps):
-        token = logits.argmax(-1).reshape(1)
-        tokens.append(int(token))
-        logits = model.forward(token, cache, start=start + i, logits_to_keep=1)[0]
-        logits_seen.append(logits)
-    return tokens, torch.stack(logits_seen)
 
 
 EXACT_CASES = [

@@ -12,8 +12,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from hybridkv.cache.prompt import AttentionKV, LinearState, LinearStates
-from hybridkv.models.describe import token_tensors
+from hybridkv.cache.prompt import AttentionKV, LinearState, LinearStates, kv_slice, read_attention
 from hybridkv.models.loader import HybridModel
 
 
@@ -86,14 +85,13 @@ def exact_attention_for_first_tokens(
     instance attributes that shadow the layer class's methods; they are removed on exit, so the
     cache is an ordinary transformers cache again for decoding.
     """
-    kinds = {spec.index: spec.kind for spec in model.description.layers}
     patched: list[tuple[object, str]] = []
     try:
         for index in model.description.attention_layers:
             if not any(row and row.get(index) for row in rows):
                 continue
             layer = cache.layers[index]
-            dims = token_tensors(kinds[index])
+            dims = model.description.token_tensors(index)
             for method, names in (("update", ["keys", "values"]), ("update_indexer", ["indexer_keys"])):
                 if names[0] not in dims:
                     continue
@@ -117,14 +115,13 @@ def assemble_batch(
     """
     lengths = [_kv_length(model, kv) for kv in kvs]
     longest = max(lengths)
-    kinds = {spec.index: spec.kind for spec in model.description.layers}
     cache = model.new_cache()
     if longest:
         batched: AttentionKV = {}
         for index in model.description.attention_layers:
             template = next(kv[index] for kv in kvs if kv)
             batched[index] = {}
-            for name, dim in token_tensors(kinds[index]).items():
+            for name, dim in model.description.token_tensors(index).items():
                 shape = list(template[name].shape)
                 shape[0], shape[dim] = len(kvs), longest
                 padded = template[name].new_zeros(shape)
@@ -153,23 +150,17 @@ def _kv_length(model: HybridModel, kv: AttentionKV | None) -> int:
     if not kv:
         return 0
     index = model.description.attention_layers[0]
-    return kv[index]["keys"].shape[token_tensors("attention")["keys"]]
+    return kv[index]["keys"].shape[model.description.token_tensors(index)["keys"]]
 
 
 def split_batch(model: HybridModel, cache: DynamicCache, row: int, padding: int) -> DynamicCache:
     """Row `row` of a batched cache as a cache of its own, with its `padding` leading KV slots dropped."""
-    kinds = {spec.index: spec.kind for spec in model.description.layers}
-    own = model.new_cache()
-    kv = {
-        index: {
-            name: getattr(cache.layers[index], name)[row : row + 1].narrow(
-                dim, padding, getattr(cache.layers[index], name).shape[dim] - padding
-            )
-            for name, dim in token_tensors(kinds[index]).items()
-        }
-        for index in model.description.attention_layers
+    rows = {
+        index: {name: tensor[row : row + 1] for name, tensor in tensors.items()}
+        for index, tensors in read_attention(model, cache).items()
     }
-    set_attention(own, kv)
+    own = model.new_cache()
+    set_attention(own, kv_slice(model, rows, padding, _kv_length(model, rows)))
     set_linear_states(
         own,
         {

@@ -15,7 +15,6 @@ import torch
 from transformers import DynamicCache
 
 from hybridkv.models.decay import DecaySummary, record_decay, summarise
-from hybridkv.models.describe import token_tensors
 from hybridkv.models.loader import HybridModel
 
 
@@ -56,13 +55,7 @@ class CachedPrompt:
         """Views (no copies) of the attention KV of tokens [start, end)."""
         if not 0 <= start <= end <= len(self):
             raise ValueError(f"tokens [{start}, {end}) asked from a cached prompt of {len(self)}")
-        kinds = {spec.index: spec.kind for spec in model.description.layers}
-        return {
-            layer: {
-                name: tensors[name].narrow(dim, start, end - start) for name, dim in token_tensors(kinds[layer]).items()
-            }
-            for layer, tensors in self.attention.items()
-        }
+        return kv_slice(model, self.attention, start, end)
 
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for tensors in self.attention.values() for t in tensors.values())
@@ -75,11 +68,21 @@ class CachedPrompt:
         return max(eligible) if eligible else None
 
 
+def kv_slice(model: HybridModel, kv: AttentionKV, start: int, end: int) -> AttentionKV:
+    """Views (no copies) of tokens [start, end) of every tensor in `kv`."""
+    return {
+        layer: {
+            name: tensors[name].narrow(dim, start, end - start)
+            for name, dim in model.description.token_tensors(layer).items()
+        }
+        for layer, tensors in kv.items()
+    }
+
+
 def read_attention(model: HybridModel, cache: DynamicCache) -> AttentionKV:
     """The token-indexed tensors of every attention layer (references, not copies)."""
-    kinds = {spec.index: spec.kind for spec in model.description.layers}
     return {
-        index: {name: getattr(cache.layers[index], name) for name in token_tensors(kinds[index])}
+        index: {name: getattr(cache.layers[index], name) for name in model.description.token_tensors(index)}
         for index in model.description.attention_layers
     }
 

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from hybridkv.cache import Hit, assemble_cache, exact_attention_for_first_tokens
+from hybridkv.cache.prompt import AttentionKV, LinearStates
 from hybridkv.errors import HybridKVError
 from hybridkv.models import HybridModel
 
@@ -130,11 +131,19 @@ def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
         raise HybridKVError("cache mismatch: the cached prompt does not share the claimed prefix with this prompt")
 
 
-def execute(
-    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1
-) -> Outcome:
-    """Resume `prompt` from `hit` as `recipe` says and return the last positions' logits."""
-    prompt = prompt.reshape(-1)
+@dataclass(frozen=True)
+class ResumePieces:
+    """What one resume takes from its hit: KV before s, seed states at s, exact KV of the tail [s, n)."""
+
+    kv: AttentionKV | None
+    seed: LinearStates | None
+    tail_kv: AttentionKV | None
+
+
+def resume_pieces(
+    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int
+) -> ResumePieces:
+    """Check `recipe` against `prompt` and `hit`, and take the cached pieces it needs (views, no copies)."""
     check_hit(prompt, hit)
     n, s = recipe.exact_kv_tokens, recipe.state_position
     matched = hit.length if hit is not None else 0
@@ -142,21 +151,39 @@ def execute(
         raise ValueError(f"recipe reuses {n} KV tokens but only {matched} are matched")
     if logits_to_keep > prompt.numel() - n:
         raise ValueError(f"{logits_to_keep} logits asked but only {prompt.numel() - n} positions are computed")
-    states = None
+    seed = None
     if recipe.state_seed:
-        states = hit.cached.checkpoints.get(s)
-        if states is None:
+        seed = hit.cached.checkpoints.get(s)
+        if seed is None:
             raise ValueError(f"no stored checkpoint at position {s}")
-    kv = hit.cached.kv_prefix(model, s) if hit is not None and s > 0 else None
-    cache = assemble_cache(model, kv, states)
-    # Replay and suffix run as one forward over [s, end): the linear layers carry their states
-    # through the tail, while the attention layers keep the exact cached KV of [s, n).
-    with exact_attention_for_first_tokens(model, cache, [hit.cached.kv_range(model, s, n) if n > s else None]):
-        logits = model.forward(prompt[s:], cache, start=s, logits_to_keep=logits_to_keep)
+    return ResumePieces(
+        kv=hit.cached.kv_prefix(model, s) if s > 0 else None,
+        seed=seed,
+        tail_kv=hit.cached.kv_range(model, s, n) if n > s else None,
+    )
+
+
+def outcome(
+    prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits: torch.Tensor, cache: DynamicCache
+) -> Outcome:
     return Outcome(
         logits=logits,
         cache=cache,
-        reused_tokens=n,
-        replayed_tokens=matched - s,
-        recomputed_tokens=prompt.numel() - n,
+        reused_tokens=recipe.exact_kv_tokens,
+        replayed_tokens=(hit.length if hit is not None else 0) - recipe.state_position,
+        recomputed_tokens=prompt.numel() - recipe.exact_kv_tokens,
     )
+
+
+def execute(
+    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1
+) -> Outcome:
+    """Resume `prompt` from `hit` as `recipe` says and return the last positions' logits."""
+    prompt = prompt.reshape(-1)
+    pieces = resume_pieces(model, prompt, hit, recipe, logits_to_keep)
+    cache = assemble_cache(model, pieces.kv, pieces.seed)
+    # Replay and suffix run as one forward over [s, end): the linear layers carry their states
+    # through the tail, while the attention layers keep the exact cached KV of [s, n).
+    with exact_attention_for_first_tokens(model, cache, [pieces.tail_kv]):
+        logits = model.forward(prompt[recipe.state_position :], cache, recipe.state_position, logits_to_keep)
+    return outcome(prompt, hit, recipe, logits, cache)

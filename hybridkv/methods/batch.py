@@ -13,7 +13,7 @@ import torch
 
 from hybridkv.cache import Hit, assemble_batch, exact_attention_for_first_tokens, split_batch
 from hybridkv.errors import HybridKVError
-from hybridkv.methods.base import Outcome, Recipe, check_hit
+from hybridkv.methods.base import Outcome, Recipe, outcome, resume_pieces
 from hybridkv.models import HybridModel
 
 
@@ -31,34 +31,18 @@ def execute_batch(
             f"got {sorted(spans)}"
         )
     span = spans.pop()
-    kvs, states, exact = [], [], []
-    for prompt, hit, recipe in zip(prompts, hits, recipes, strict=True):
-        check_hit(prompt, hit)
-        n, s = recipe.exact_kv_tokens, recipe.state_position
-        if n > hit.length:
-            raise ValueError(f"recipe reuses {n} KV tokens but only {hit.length} are matched")
-        if logits_to_keep > prompt.numel() - n:
-            raise ValueError(f"{logits_to_keep} logits asked but only {prompt.numel() - n} positions are computed")
-        seed = hit.cached.checkpoints.get(s) if recipe.state_seed else None
-        if recipe.state_seed and seed is None:
-            raise ValueError(f"no stored checkpoint at position {s}")
-        kvs.append(hit.cached.kv_prefix(model, s) if s > 0 else None)
-        states.append(seed)
-        exact.append(hit.cached.kv_range(model, s, n) if n > s else None)
-    cache, padding = assemble_batch(model, kvs, states)
+    pieces = [
+        resume_pieces(model, prompt, hit, recipe, logits_to_keep)
+        for prompt, hit, recipe in zip(prompts, hits, recipes, strict=True)
+    ]
+    cache, padding = assemble_batch(model, [p.kv for p in pieces], [p.seed for p in pieces])
     longest = padding.shape[1]
     mask = torch.cat([padding, torch.ones(len(prompts), span, dtype=torch.bool)], dim=1)
     tokens = torch.stack([prompt[r.state_position :] for prompt, r in zip(prompts, recipes, strict=True)])
     positions = torch.stack([torch.arange(r.state_position, r.state_position + span) for r in recipes])
-    with exact_attention_for_first_tokens(model, cache, exact):
+    with exact_attention_for_first_tokens(model, cache, [p.tail_kv for p in pieces]):
         logits = model.forward_batch(tokens, cache, positions, mask.long(), logits_to_keep)
     return [
-        Outcome(
-            logits=logits[row],
-            cache=split_batch(model, cache, row, longest - recipe.state_position),
-            reused_tokens=recipe.exact_kv_tokens,
-            replayed_tokens=hit.length - recipe.state_position,
-            recomputed_tokens=prompt.numel() - recipe.exact_kv_tokens,
-        )
+        outcome(prompt, hit, recipe, logits[row], split_batch(model, cache, row, longest - recipe.state_position))
         for row, (prompt, hit, recipe) in enumerate(zip(prompts, hits, recipes, strict=True))
     ]

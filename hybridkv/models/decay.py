@@ -79,10 +79,6 @@ class DecaySummary:
                 return end - start, bound
         return longest, self.bound(end - longest, end)
 
-    def prefix(self, tokens: int) -> DecaySummary:
-        """The rows that lie wholly inside the first `tokens` tokens."""
-        return DecaySummary(self.log_decay[: tokens // self.chunk], self.chunk)
-
 
 def _worst_channel(gate: torch.Tensor) -> torch.Tensor:
     """KDA: the forget gate returns log α per key channel, [B, T, H, D] -> worst channel [T, H]."""
@@ -131,11 +127,6 @@ def _probe_for(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
     return None
 
 
-def has_decay_probe(model: HybridModel) -> bool:
-    layers = model.backbone.layers
-    return all(_probe_for(layers[index]) is not None for index in model.description.linear_layers)
-
-
 @contextmanager
 def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None]:
     """While active, every forward appends each linear layer's per-token worst log-decay.
@@ -143,14 +134,15 @@ def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None
     Yields one list per linear layer (in `description.linear_layers` order) that collects
     [tokens, heads] tensors, or None when the architecture has no probe.
     """
-    if not has_decay_probe(model):
+    probes = [_probe_for(model.backbone.layers[index]) for index in model.description.linear_layers]
+    if any(probe is None for probe in probes):
         yield None
         return
-    recorded: list[list[torch.Tensor]] = [[] for _ in model.description.linear_layers]
-    handles = []
-    for slot, index in enumerate(model.description.linear_layers):
-        module, probe = _probe_for(model.backbone.layers[index])
-        handles.append(module.register_forward_hook(lambda _m, _i, out, p=probe, s=slot: recorded[s].append(p(out))))
+    recorded: list[list[torch.Tensor]] = [[] for _ in probes]
+    handles = [
+        module.register_forward_hook(lambda _m, _i, out, p=probe, s=slot: recorded[s].append(p(out)))
+        for slot, (module, probe) in enumerate(probes)
+    ]
     try:
         yield recorded
     finally:

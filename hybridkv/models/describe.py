@@ -61,6 +61,10 @@ class ModelDescription:
     def attention_layers(self) -> list[int]:
         return [spec.index for spec in self.layers if spec.kind in ("attention", "indexed_attention")]
 
+    def token_tensors(self, index: int) -> dict[str, int]:
+        """The token-indexed tensors of attention layer `index`, with their token dimension."""
+        return token_tensors(self.layers[index].kind)
+
     @property
     def state_bytes(self) -> int:
         """Bytes of one full linear-state checkpoint (every linear layer, conv + recurrent)."""

@@ -47,7 +47,7 @@ class Plan:
         return asdict(self)
 
 
-def load_config(model: str, dtype_bytes: int = 2):
+def load_config(model: str):
     """A config without weights: GLM-5.3-Flash's defaults, a built-in tiny model's, or a checkpoint's."""
     from pathlib import Path
 
