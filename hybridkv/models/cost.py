@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.describe import first_set
 
 QUERY_BLOCK = 128  # queries that share one read of the context in a dense attention kernel
 WEIGHT_BYTES = 2  # bfloat16 weights, KV and activations
@@ -69,8 +70,10 @@ class LayerCost:
     state_bytes: float = 0.0  # linear: recurrent + conv state, read and written once per call
 
     def weights_read(self, tokens: int) -> float:
-        if not self.experts or tokens == 0:
-            return self.weight_bytes if tokens else 0.0
+        if tokens == 0:
+            return 0.0
+        if not self.experts:
+            return self.weight_bytes
         touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
         return self.weight_bytes + self.expert_bytes * touched
 
@@ -133,14 +136,6 @@ class CostModel:
         return self.seconds(0, prompt, machine) / self.seconds(recompute_from, prompt, machine)
 
 
-def _get(config, *names: str, default=None):
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
 @dataclass(frozen=True)
 class _FeedForward:
     flops_per_token: float
@@ -166,12 +161,12 @@ def _dense_mlp(config, d: int) -> _FeedForward:
 
 
 def _moe(config, d: int) -> _FeedForward:
-    experts = _get(config, "num_experts_per_tok", default=0)
-    inter = _get(config, "moe_intermediate_size", "intermediate_size")
-    shared = _get(config, "n_shared_experts", default=0) * 3 * d * inter
-    if shared_inter := _get(config, "shared_expert_intermediate_size"):
+    experts = first_set(config, "num_experts_per_tok", default=0)
+    inter = first_set(config, "moe_intermediate_size", "intermediate_size")
+    shared = first_set(config, "n_shared_experts", default=0) * 3 * d * inter
+    if shared_inter := first_set(config, "shared_expert_intermediate_size"):
         shared = 3 * d * shared_inter + d  # Qwen3-Next: one gated shared expert
-    routed = _get(config, "n_routed_experts", "num_experts", default=0)
+    routed = first_set(config, "n_routed_experts", "num_experts", default=0)
     router = d * routed
     if not experts:
         return _dense_mlp(config, d)

@@ -133,7 +133,8 @@ def describe_cache_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerS
     return tuple(specs)
 
 
-def _first(config: PreTrainedConfig, *names: str, default=None):
+def first_set(config: PreTrainedConfig, *names: str, default=None):
+    """The first of `names` that the config sets (architectures name the same field differently)."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -150,8 +151,8 @@ def count_parameters(backbone: nn.Module, lm_head: nn.Module, config: PreTrained
         for module in backbone.modules()
         if type(module).__name__.endswith("Experts")  # transformers' fused routed-expert modules
     )
-    n_experts = _first(config, "n_routed_experts", "num_experts", "num_local_experts")
-    top_k = _first(config, "num_experts_per_tok", default=1)
+    n_experts = first_set(config, "n_routed_experts", "num_experts", "num_local_experts")
+    top_k = first_set(config, "num_experts_per_tok", default=1)
     inactive = routed - routed * top_k // n_experts if n_experts else 0
     return total, total - embedding - inactive
 
@@ -159,6 +160,6 @@ def count_parameters(backbone: nn.Module, lm_head: nn.Module, config: PreTrained
 def attention_flops_per_context_token(config: PreTrainedConfig, attention_layers: int) -> int:
     """2·heads·(qk_dim + v_dim) FLOPs per attended context token, summed over attention layers."""
     heads = config.num_attention_heads
-    qk_dim = _first(config, "qk_head_dim") or _first(config, "head_dim") or config.hidden_size // heads
-    v_dim = _first(config, "v_head_dim", default=qk_dim)
+    qk_dim = first_set(config, "qk_head_dim") or first_set(config, "head_dim") or config.hidden_size // heads
+    v_dim = first_set(config, "v_head_dim", default=qk_dim)
     return 2 * heads * (qk_dim + v_dim) * attention_layers
