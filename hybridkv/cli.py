@@ -296,7 +296,7 @@ def _validate(args: argparse.Namespace) -> None:
 def _store(args: argparse.Namespace) -> None:
     import json
 
-    from hybridkv.store import StoreError, open_store
+    from hybridkv.store import open_store
 
     store = open_store(args.store)
     try:
@@ -304,8 +304,6 @@ def _store(args: argparse.Namespace) -> None:
             print(json.dumps({"url": args.store, **store.stats()}, indent=2))
         else:
             print(f"removed {store.clear()} entries from {args.store}")
-    except StoreError as err:
-        raise HybridKVError(str(err)) from err
     finally:
         store.close()
 
@@ -316,16 +314,12 @@ def _store_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from hybridkv.eval.store_bench import format_bench_table, glm5_entry_sizes, run_store_bench
-    from hybridkv.store import StoreError
 
     if args.repeats < 1:
         raise HybridKVError("repeats must be at least 1")
     sizes = glm5_entry_sizes(args.repeats)
     with tqdm(total=len(sizes) * (1 + len(args.store)), desc="store-bench", leave=False) as progress:
-        try:
-            rows = run_store_bench(args.store, sizes, progress)
-        except StoreError as err:
-            raise HybridKVError(str(err)) from err
+        rows = run_store_bench(args.store, sizes, progress)
     print(format_bench_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "store_bench.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")

@@ -23,12 +23,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def greedy_decode(model, cache, first_logits: torch.Tensor, start: int, steps: int):
-    """Greedy tokens and the logits seen after each, decoding from `cache` (the oracle for "continues exactly")."""
+def greedy_decode(model, cache, first_logits: torch.Tensor, start: int, steps: int, follow: list[int] | None = None):
+    """Greedy tokens and the logits seen after each, decoding from `cache` (the oracle for "continues exactly").
+
+    With `follow` (another run's greedy tokens), feed those instead of this run's own argmax: two
+    runs computed by different code paths then see the same history at every step, and their logits
+    can be compared within a tolerance even where a near-tie on a random-weight model's near-uniform
+    distribution lets last-bit noise flip the argmax. (Wherever the reference's top-1 lead exceeds
+    twice that tolerance, logits within it imply the same argmax, so nothing is lost.)
+    """
     tokens, logits_seen = [], []
     logits = first_logits
     for i in range(steps):
-        token = logits.argmax(-1).reshape(1)
+        token = logits.argmax(-1).reshape(1) if follow is None else torch.tensor([follow[i]])
         tokens.append(int(token))
         logits = model.forward(token, cache, start=start + i, logits_to_keep=1)[0]
         logits_seen.append(logits)

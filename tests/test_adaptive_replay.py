@@ -98,20 +98,26 @@ def test_adaptive_replay_of_everything_is_exact(captured):
     torch.testing.assert_close(outcome.logits, reference, atol=1e-4, rtol=0)
 
 
-def test_decay_summary_round_trips_through_a_store(captured):
+@pytest.mark.parametrize("chunk_tokens", [DECAY_CHUNK, 48, 100, 3 * DECAY_CHUNK])
+def test_decay_summary_round_trips_through_a_store(captured, chunk_tokens):
+    """Whatever the store's chunk size, the summary comes back whole (it used to be dropped, and
+    adaptive-replay silently replayed the budget, when the size was not a multiple of 64)."""
     model, tokens, cached = captured("tiny-qwen3-next")
-    stored = StoredPrefixCache(model, GuardedStore(open_store("memory://")))
+    stored = StoredPrefixCache(model, GuardedStore(open_store("memory://")), chunk_tokens=chunk_tokens)
     stored.add(cached)
     prompt = torch.cat([tokens[: 5 * DECAY_CHUNK + 20], torch.tensor([1, 2])])
     hit = stored.lookup(prompt)
     assert hit.length == 5 * DECAY_CHUNK + 20
+    assert hit.cached.decay is not None
     rows = hit.cached.decay.log_decay
     assert rows.shape[0] >= hit.length // DECAY_CHUNK
     assert torch.equal(rows, cached.decay.log_decay[: rows.shape[0]])
     method = get_method("adaptive-replay")
     local = PrefixCache()
     local.add(cached)
-    assert method.recipe(hit, Budget(fraction=0.5)) == method.recipe(local.lookup(prompt), Budget(fraction=0.5))
+    local_recipe = method.recipe(local.lookup(prompt), Budget(fraction=0.5))
+    assert method.recipe(hit, Budget(fraction=0.5)) == local_recipe
+    assert local_recipe != get_method("tail-replay").recipe(hit, Budget(fraction=0.5))  # the summary mattered
 
 
 def test_adaptive_replay_without_a_summary_replays_the_budget(captured):

@@ -73,6 +73,88 @@ def test_a_killed_run_resumes_without_duplicates(model, tmp_path):
     assert predictions(resumed) == predictions(complete)
 
 
+def test_results_lines_split_on_newline_only(tmp_path):
+    """A row written by another tool with ensure_ascii=False may hold U+2028, U+2029 or U+0085 raw;
+    str.splitlines() would tear it in two and the row would vanish from the summary."""
+    rows = [{"id": f"s{i}", "prediction": f"line{sep}break", "score": 1.0} for i, sep in enumerate("\u2028\u2029\x85")]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    assert read_rows(path) == rows
+
+
+def test_only_a_torn_last_line_is_dropped(tmp_path):
+    good = [json.dumps({"id": f"s{i}", "score": 0.5}) for i in range(3)]
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(good) + "\n" + good[0][:9])  # killed mid-line: no newline after it
+    assert [row["id"] for row in read_rows(path)] == ["s0", "s1", "s2"]
+    path.write_text(good[0] + "\n" + good[1][:9] + "\n" + good[2] + "\n")  # a broken line in the middle
+    with pytest.raises(HybridKVError, match=r"results.jsonl:2: not a JSON line"):
+        read_rows(path)
+    path.write_text(good[0] + "\n" + good[1][:9] + "\n")  # a complete (newline-ended) line that is not JSON
+    with pytest.raises(HybridKVError, match=r"results.jsonl:2"):
+        read_rows(path)
+    path.write_text(good[0] + "\n[1, 2]\n")
+    with pytest.raises(HybridKVError, match=r"results.jsonl:2: not a JSON object"):
+        read_rows(path)
+    path.write_bytes(good[0].encode() + b"\n\xff\xfe\n")
+    with pytest.raises(HybridKVError, match="not UTF-8"):
+        read_rows(path)
+
+
+def test_a_corrupt_results_line_stops_arena_score_with_one_line(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    (tmp_path / "results.jsonl").write_text('{"id": "a"}\n{"id": \n{"id": "b"}\n')
+    assert main(["arena", "score", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybridkv: error:") and "results.jsonl:2" in err[0]
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_captures_are_keyed_by_the_models_weights_not_its_identity():
+    """The same model object with changed weights must not be served its old capture (a capture
+    cache keyed by id(model) did, and a freed model's id is handed on to the next model)."""
+    import torch
+
+    from hybridkv.cache import capture_prompt
+    from hybridkv.eval.contract import CaptureCache
+    from hybridkv.models import load_model
+
+    model = load_model("tiny-olmo-hybrid")  # our own copy: its weights change below
+    source = list(range(3, 103))
+    captures = CaptureCache()
+    config = ArenaConfig(checkpoint_interval=64, captures=captures)
+
+    def build(method: str, budget=None):
+        arena_method = get_arena_method(method, budget)
+        arena_method.setup(model, config)
+        return arena_method.build_cache(source)
+
+    first = build("checkpoint")
+    assert build("checkpoint") is first  # shared within the run
+    assert build("seeded-replay", Budget(fraction=0.1)) is first  # same capture kind, other method
+    with torch.no_grad():
+        for parameter in model.backbone.parameters():
+            parameter.mul_(1.5)
+    second = build("checkpoint")
+    assert second is not first
+    fresh = capture_prompt(model, torch.tensor(source), 64)
+    for layer, tensors in fresh.attention.items():
+        for name, tensor in tensors.items():
+            assert torch.equal(second.handle.attention[layer][name], tensor)
+            assert not torch.equal(first.handle.attention[layer][name], tensor)
+
+
+def test_each_run_owns_its_captures_and_reports_build_time_as_a_value(model, tmp_path):
+    """Two runs do not share captures; rows of methods sharing one capture report its build time."""
+    plan = ArenaPlan("toy", ["checkpoint", "seeded-replay"], [Budget(fraction=0.1)])
+    rows = read_rows(run_arena(model, ByteTokenizer(), samples(1), plan, CONFIG, tmp_path / "a", contains_gold, False))
+    again = read_rows(run_arena(model, ByteTokenizer(), samples(1), plan, CONFIG, tmp_path / "b", contains_gold, False))
+    (checkpoint, seeded), (checkpoint_again, _) = rows, again
+    assert checkpoint["build_s"] > 0 and seeded["build_s"] == checkpoint["build_s"]
+    assert checkpoint_again["build_s"] != checkpoint["build_s"]  # the second run captured anew
+
+
 OUTSIDE = '''
 from hybridkv.eval.contract import Answer
 

@@ -2,10 +2,15 @@
 
 Every expected number below was worked out by hand in the comment next to it, from the
 definitions in NVIDIA/RULER (scripts/eval/synthetic/constants.py) and THUDM/LongBench
-(LongBench/metrics.py, eval.py, and the `rouge` / `fuzzywuzzy` packages they call).
+(LongBench/metrics.py, eval.py, and the jieba / `rouge` / `fuzzywuzzy` packages they call) —
+except OFFICIAL_CASES, whose expected scores were computed by the official LongBench code itself
+(see the comment above it).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -14,12 +19,15 @@ from hypothesis import strategies as st
 from hybridkv.eval.scoring import (
     DATASET_METRIC,
     FIRST_LINE_DATASETS,
+    MAX_RECON_DEPTH,
+    MAX_RECON_DEPTH_ZH,
     RULER_TASKS,
     classification_score,
     code_first_line,
     code_sim_score,
     count_score,
     fuzz_ratio,
+    jieba_cut,
     normalize_answer,
     normalize_zh_answer,
     qa_f1_score,
@@ -144,18 +152,64 @@ def test_qa_f1_empty_cases_are_zero():
     assert qa_f1_score("Paris", "The") == 0.0
 
 
-def test_qa_f1_zh_is_character_level():
-    # normalize_zh_answer drops Chinese punctuation and every whitespace character.
+def test_normalize_zh_answer():
+    # Lowercase, drop Chinese and ASCII punctuation, delete every whitespace character.
     assert normalize_zh_answer("北京 ，市。 ABC") == "北京市abc"
-    # "北京。" → [北, 京] = gold [北, 京] → 1.
+    assert normalize_zh_answer("GPT-4") == "gpt4"
+    assert normalize_zh_answer(" ") == ""
+
+
+def test_jieba_segmentation_used_below():
+    # The segmentations the hand values below rely on (jieba 0.42.1, default dictionary, HMM on,
+    # cut_all=False). Spaces and punctuation come back as tokens of their own.
+    assert jieba_cut("北京 大学") == ["北京", " ", "大学"]
+    assert jieba_cut("北京大学") == ["北京大学"]
+    assert jieba_cut("上海市") == ["上海市"]
+    assert jieba_cut("我在北京") == ["我", "在", "北京"]
+    assert jieba_cut("答案：42。") == ["答案", "：", "42", "。"]
+    assert jieba_cut("他于2023年3月访问了GPT-4团队") == [
+        "他于", "2023", "年", "3", "月", "访问", "了", "GPT", "-", "4", "团队"
+    ]  # fmt: skip
+    assert jieba_cut("答案是42") == ["答案", "是", "42"]
+    assert jieba_cut("2023年3月") == ["2023", "年", "3", "月"]
+    assert jieba_cut("苹果公司发布了iPhone15") == ["苹果公司", "发布", "了", "iPhone15"]
+    assert jieba_cut("苹果发布iPhone 15") == ["苹果", "发布", "iPhone", " ", "15"]
+    assert jieba_cut("我爱北京天安门") == ["我", "爱", "北京", "天安门"]
+    assert jieba_cut("会议讨论了预算问题。") == ["会议", "讨论", "了", "预算", "问题", "。"]
+    assert jieba_cut("iPhone15Pro搭载A17芯片") == ["iPhone15Pro", "搭载", "A17", "芯片"]
+    assert jieba_cut("Python3.11版本于2022年发布") == ["Python3.11", "版本", "于", "2022", "年", "发布"]
+    assert jieba_cut("我们 w0 w1") == ["我们", " ", "w0", " ", "w1"]
+
+
+def test_qa_f1_zh_is_jieba_word_level():
+    # pred [北京, " ", 大学] → normalised [北京, "", 大学] → empties dropped → [北京, 大学];
+    # gold [北京大学]: no shared word → 0 (character F1 would say 1).
+    assert qa_f1_zh_score("北京 大学", "北京大学") == 0.0
+    # [上海] vs [上海市]: different words → 0.
+    assert qa_f1_zh_score("上海", "上海市") == 0.0
+    # [我, 在, 北京] vs [北京市] → 0.
+    assert qa_f1_zh_score("我在北京", "北京市") == 0.0
+    # [北京, 。] → [北京] = gold [北京] → 1.
     assert qa_f1_zh_score("北京。", "北京") == 1.0
-    # pred [我, 在, 北, 京], gold [北, 京, 市]: shared 2; P = 2/4, R = 2/3;
-    # F1 = 2·(1/2)(2/3) / (1/2 + 2/3) = (2/3) / (7/6) = 4/7.
-    assert qa_f1_zh_score("我在北京", "北京市") == pytest.approx(4 / 7)
-    # Latin letters are lower-cased and also split per character: [a, b, c] both sides.
-    assert qa_f1_zh_score("ABC", "abc") == 1.0
-    # Punctuation-only prediction is empty after normalisation → 0.
+    # pred [答案, ：, 42, 。] → [答案, 42]; gold [答案, 是, 42]; shared 2; P = 1, R = 2/3;
+    # F1 = 2·(2/3) / (5/3) = 4/5.
+    assert qa_f1_zh_score("答案：42。", "答案是42") == pytest.approx(4 / 5)
+    # Punctuation only: [，, 。, ！] all normalise to "" → no token → 0.
     assert qa_f1_zh_score("，。！", "北京") == 0.0
+
+
+def test_qa_f1_zh_mixed_latin_and_digits():
+    # pred [他于, 2023, 年, 3, 月, 访问, 了, GPT, -, 4, 团队] → "-" dropped, GPT → gpt: 10 tokens;
+    # gold [2023, 年, 3, 月] (4), all shared → P = 4/10, R = 1 → F1 = 0.8 / 1.4 = 4/7.
+    assert qa_f1_zh_score("他于2023年3月访问了GPT-4团队", "2023年3月") == pytest.approx(4 / 7)
+    # pred [苹果公司, 发布, 了, iPhone15] → [苹果公司, 发布, 了, iphone15];
+    # gold [苹果, 发布, iPhone, " ", 15] → [苹果, 发布, iphone, 15]; shared {发布}: P = R = 1/4 → 1/4.
+    assert qa_f1_zh_score("苹果公司发布了iPhone15", "苹果发布iPhone 15") == pytest.approx(1 / 4)
+    # pred [Python3.11, 版本, 于, 2022, 年, 发布] → "Python3.11" normalises to "python311" (the
+    # ASCII "." goes); gold [python3.11] → [python311]; shared 1: P = 1/6, R = 1 → F1 = 2/7.
+    assert qa_f1_zh_score("Python3.11版本于2022年发布", "python3.11") == pytest.approx(2 / 7)
+    # A Latin word is one jieba token, lower-cased by the normalisation: [abc] vs [abc] → 1.
+    assert qa_f1_zh_score("ABC", "abc") == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,10 +260,71 @@ def test_rouge_empty_texts_are_zero():
     assert rouge_score("the cat", "") == 0.0
 
 
-def test_rouge_zh_is_character_level():
-    # "我 爱 北 京" vs "我 爱 上 海": m = n = 4, LCS 我爱 → 2; P = R = 1/2 → 1/2.
-    assert rouge_zh_score("我爱北京", "我爱上海") == pytest.approx(0.5, abs=1e-7)
+def test_rouge_zh_joins_jieba_words():
+    # "我 爱 北京 天安门" vs "我 爱 北京": n = 4, m = 3, LCS 我 爱 北京 → 3; R = 1, P = 3/4
+    # → F = 2·(3/4) / (7/4) = 6/7 (less the 1e-8 in the denominator).
+    assert rouge_zh_score("我爱北京天安门", "我爱北京") == pytest.approx(6 / 7, abs=1e-7)
+    # [北京大学] vs [北京, " ", 大学] → "北京   大学", collapsed by rouge to "北京 大学": no shared
+    # word → 0 (character level would say ≈ 1).
+    assert rouge_zh_score("北京大学", "北京 大学") == 0.0
+    # "。" is not ".", so one sentence each: n = |{会议, 讨论, 了, 预算, 问题, 。}| = 6, m = 5, all 5
+    # in the LCS: R = 1, P = 5/6 → F = 2·(5/6) / (11/6) = 10/11.
+    assert rouge_zh_score("会议讨论了预算问题。", "会议讨论了预算。") == pytest.approx(10 / 11, abs=1e-7)
     assert rouge_zh_score("", "我爱上海") == 0.0
+
+
+def test_rouge_zh_mixed_latin_digits_and_dots():
+    # pred [iPhone, 15, Pro, 采用, A17, Pro, 芯片] (spaces collapse), distinct n = 6;
+    # gold [iPhone15Pro, 搭载, A17, 芯片], m = 4; LCS A17 芯片 → 2: R = 1/2, P = 1/3 → F = 2/5.
+    assert rouge_zh_score("iPhone 15 Pro 采用 A17 Pro 芯片", "iPhone15Pro搭载A17芯片") == pytest.approx(0.4, abs=1e-7)
+    # "总 投资 为 3.5 亿元" splits on the "." of 3.5 into "总 投资 为 3" and "5 亿元"; gold "3.5 亿元"
+    # into "3" and "5 亿元". n = |{总, 投资, 为, 3, 5, 亿元}| = 6, m = 3; the pairwise LCS union is
+    # {3} ∪ {5, 亿元} → 3: R = 1, P = 1/2 → F = 2/3.
+    assert jieba_cut("总投资为3.5亿元") == ["总", "投资", "为", "3.5", "亿元"]
+    assert rouge_zh_score("总投资为3.5亿元", "3.5亿元") == pytest.approx(2 / 3, abs=1e-7)
+
+
+def _numbered(count: int, prefix: str = "w") -> str:
+    return " ".join(f"{prefix}{k}" for k in range(count))
+
+
+def test_rouge_long_sentence_scores_zero_like_the_official():
+    # The rouge package rebuilds each LCS recursively: 1 _recon frame for the first call, 1 per
+    # step of the walk back (diagonal on a match, else up or left), and the walk stops at i == 0
+    # or j == 0. Below _recon the official eval.py stack holds 9 frames (10 via rouge_zh_score),
+    # so under Python 3.11+'s limit of 1000 the official score is 0.0 beyond a depth of 991 (990).
+    # Boundary verified against rouge 1.0.1 under LongBench's own eval.scorer (scorer
+    # 100.0 → 0.0 between the two lengths below) on CPython 3.11.7, 3.12.1, 3.13.0.
+    assert (MAX_RECON_DEPTH, MAX_RECON_DEPTH_ZH) == (991, 990)
+    # Identical n-word sentences: n diagonal steps → n + 1 frames.
+    assert rouge_score(_numbered(990), _numbered(990)) == pytest.approx(ROUGE_ONE, abs=1e-15)  # 991
+    assert rouge_score(_numbered(991), _numbered(991)) == 0.0  # 992: RecursionError → 0
+    assert rouge_score(_numbered(991), _numbered(991), official=False) == pytest.approx(ROUGE_ONE, abs=1e-15)
+    # One such pair among short ones sinks the whole score, as the exception does.
+    assert rouge_score("a b. " + _numbered(991), "a b. " + _numbered(991)) == 0.0
+    # Chinese path: one frame less. jieba gives [w0, " ", w1, ...], the spaces collapse.
+    assert rouge_zh_score(_numbered(989), _numbered(989)) == pytest.approx(ROUGE_ONE, abs=1e-15)  # 990
+    assert rouge_zh_score(_numbered(990), _numbered(990)) == 0.0  # 991
+    assert rouge_zh_score(_numbered(990), _numbered(990), official=False) == pytest.approx(ROUGE_ONE, abs=1e-15)
+    assert rouge_zh_score("我们 " + _numbered(988), "我们 " + _numbered(988)) > 0.99  # 990
+    assert rouge_zh_score("我们 " + _numbered(989), "我们 " + _numbered(989)) == 0.0  # 991
+
+
+def test_rouge_recursion_depth_follows_the_lcs_path_not_the_word_count():
+    # pred "p0 … p988 w0" (990 words) vs gold "g0 … g4 w0" (6): the shared last word is one
+    # diagonal step, then no match and the tie goes left (j − 1) along the prediction to j = 0:
+    # 1 + 1 + 989 = 991 frames → scored. R = 1/6, P = 1/990 → F = 2·(1/5940) / (166/990) = 1/498.
+    assert rouge_score(_numbered(989, "p") + " w0", _numbered(5, "g") + " w0") == pytest.approx(1 / 498, abs=1e-9)
+    # One more predicted word: 992 frames → 0.
+    assert rouge_score(_numbered(990, "p") + " w0", _numbered(5, "g") + " w0") == 0.0
+    # Swapped: a 996-word gold and a 6-word prediction walk left along the PREDICTION, 1 + 1 + 5
+    # = 7 frames → scored. R = 1/996, P = 1/6 → F = 2·(1/5976) / (167/996) = 1/501.
+    assert rouge_score(_numbered(5, "g") + " w0", _numbered(995, "p") + " w0") == pytest.approx(1 / 501, abs=1e-9)
+    # 1,202 words in all, but the walk is 1 diagonal + 600 left steps → 602 frames → scored.
+    # R = P = 1/601 → F = 1/601, here 5e-9 below it: the 1e-8 in P + R + 1e-8 is 3e-6 of P + R.
+    expected = 2 * (1 / 601) * (1 / 601) / (2 / 601 + 1e-8)
+    assert expected == pytest.approx(1 / 601, rel=1e-5)
+    assert rouge_score(_numbered(600, "p") + " w0", _numbered(600, "g") + " w0") == pytest.approx(expected, abs=1e-15)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +508,124 @@ def test_score_longbench_names():
         score_longbench("not_a_dataset", "x", ["x"])
     with pytest.raises(TypeError):
         score_longbench("qasper", "x", "x")
+
+
+# ---------------------------------------------------------------------------------------------
+# LongBench: differential check against the official implementation
+# ---------------------------------------------------------------------------------------------
+
+# (dataset, prediction, golds, all_classes, official per-sample score). The scores were NOT
+# produced by hybridkv: a scratch script, outside this repository and not kept, ran in a
+# separate virtualenv (CPython 3.11.7) with jieba 0.42.1, rouge 1.0.1, fuzzywuzzy 0.18.0 (no
+# python-Levenshtein) and THUDM/LongBench's own LongBench/metrics.py and eval.py (as in the
+# repository's HEAD, identical to the root-level files they replaced); for each case it ran
+# eval.py's per-sample rule — the first line for trec/triviaqa/samsum/lsht, then the max of
+# dataset2metric[dataset](prediction, gold, all_classes=...) over the golds — and printed the
+# float with repr. Before jieba segmentation (character-level Chinese) 21 of the 40 matched.
+OFFICIAL_CASES: list[tuple[str, str, list[str], list[str] | None, float]] = [
+    ("multifieldqa_zh", "北京 大学", ["北京大学"], None, 0.0),
+    ("multifieldqa_zh", "上海", ["上海市"], None, 0.0),
+    ("multifieldqa_zh", "我在北京", ["北京市"], None, 0.0),
+    ("multifieldqa_zh", "答案：42。", ["答案是42"], None, 0.8),
+    ("multifieldqa_zh", "他于2023年3月访问了GPT-4团队", ["2023年3月"], None, 0.5714285714285715),
+    ("multifieldqa_zh", "小明硕士毕业于中国科学院计算所", ["中国科学院计算技术研究所"], None, 0.0),
+    ("multifieldqa_zh", "苹果公司发布了iPhone15", ["苹果发布iPhone 15"], None, 0.25),
+    ("multifieldqa_zh", "张三和李四", ["张三和王五", "李四"], None, 0.6666666666666666),
+    ("multifieldqa_zh", "，。！", ["北京"], None, 0.0),
+    ("multifieldqa_zh", "", ["北京"], None, 0.0),
+    ("multifieldqa_zh", "根据文章，该项目的总投资为3.5亿元人民币。", ["3.5亿元"], None, 0.33333333333333337),
+    ("multifieldqa_zh", "Python3.11版本于2022年发布", ["python3.11"], None, 0.2857142857142857),
+    ("dureader", "我爱北京天安门", ["我爱北京"], None, 0.8571428522448981),
+    ("dureader", "北京大学", ["北京 大学"], None, 0.0),
+    ("dureader", "会议讨论了预算问题。", ["会议讨论了预算。"], None, 0.9090909041322315),
+    (
+        "dureader",
+        "根据百度百科，长城全长约21196.18千米，是世界上最长的建筑。",
+        ["长城总长度为21196.18千米。", "长城全长21196千米"],
+        None,
+        0.43478260446124767,
+    ),
+    (
+        "dureader",
+        "在设置里打开蓝牙，然后搜索设备并配对即可。",
+        ["打开手机设置，点击蓝牙，搜索附近设备，选择后点击配对。"],
+        None,
+        0.5384615334615386,
+    ),
+    ("dureader", "", ["我爱北京"], None, 0.0),
+    ("dureader", "iPhone 15 Pro 采用 A17 Pro 芯片", ["iPhone15Pro搭载A17芯片"], None, 0.39999999520000007),
+    (
+        "vcsum",
+        "本次会议主要讨论了第三季度的销售目标和市场推广计划。张经理提出要加大线上投入，李总同意并要求下周提交预算。",
+        ["会议讨论了第三季度销售目标与推广计划，决定加大线上投入，下周提交预算方案。"],
+        None,
+        0.6382978675237664,
+    ),
+    (
+        "vcsum",
+        "会议确定了新产品的发布时间为10月1日。各部门需配合完成准备工作。",
+        ["新产品将于10月1日发布，各部门配合准备。"],
+        None,
+        0.61111110625,
+    ),
+    ("vcsum", "讨论了招聘问题", ["本次会议讨论了技术部门的招聘计划和培训安排"], None, 0.3749999962500001),
+    ("narrativeqa", "He was killed by his brother.", ["His brother killed him", "his brother"], None, 0.6),
+    ("hotpotqa", "The Eiffel Tower, Paris", ["Eiffel Tower"], None, 0.8),
+    ("2wikimqa", "No", ["yes"], None, 0.0),
+    ("qasper", "BERT-base and RoBERTa-large", ["BERT base", "RoBERTa large"], None, 0.0),
+    ("triviaqa", "Mount Everest\nQuestion: what is the highest", ["Everest", "Mt. Everest"], None, 0.6666666666666666),
+    ("musique", "", ["1999"], None, 0.0),
+    (
+        "gov_report",
+        "The report finds that the agency failed to track costs. It recommends new controls.",
+        ["The agency did not track costs. GAO recommends that the agency establish controls."],
+        None,
+        0.6153846104142012,
+    ),
+    (
+        "qmsum",
+        "The team discussed the remote control design and agreed on a yellow case",
+        ["The team agreed on the remote control design with a yellow case."],
+        None,
+        0.7199999950079999,
+    ),
+    (
+        "multi_news",
+        "Version 3.2 was released. It fixes bugs",
+        ["Version 3.2 fixes several bugs. It was released today."],
+        None,
+        0.8888888839506174,
+    ),
+    ("samsum", "Anna will buy milk.\nTom: ok", ["Anna is going to buy milk."], None, 0.5999999952),
+    ("gov_report", "...", ["The agency did not track costs."], None, 0.0),
+    ("trec", "Type: Location\nNumber", ["Location"], ["Location", "Number", "Person"], 1.0),
+    ("lsht", "体育新闻", ["体育"], ["体育", "教育", "体育新闻"], 0.5),
+    ("passage_retrieval_en", "Paragraph 12 and Paragraph 3", ["Paragraph 12"], None, 0.5),
+    ("passage_retrieval_zh", "答案是段落7", ["段落7"], None, 1.0),
+    ("passage_count", "There are 14 unique paragraphs among 30.", ["14"], None, 0.5),
+    ("lcc", "```python\n    return self.value + 1\n```", ["    return self.value"], None, 0.91),
+    ("repobench-p", "x = compute(a, b)  # call\ny = compute(a, b)", ["y = compute(a, c)"], None, 0.94),
+]
+
+
+@pytest.mark.parametrize(("dataset", "prediction", "golds", "all_classes", "official"), OFFICIAL_CASES)
+def test_matches_the_official_longbench_scores(dataset, prediction, golds, all_classes, official):
+    assert score_longbench(dataset, prediction, golds, all_classes) == pytest.approx(official, rel=0, abs=1e-12)
+
+
+def test_importing_scoring_does_not_import_jieba_and_jieba_stays_quiet():
+    code = (
+        "import sys\n"
+        "import hybridkv.eval.scoring as s\n"
+        "assert 'jieba' not in sys.modules\n"
+        "print(s.qa_f1_zh_score('北京大学', '北京大学'))\n"
+        "assert 'jieba' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1.0"
+    # jieba logs "Building prefix dict ..." / "Loading model ..." at DEBUG to stderr otherwise.
+    assert "prefix dict" not in done.stderr and "Loading model" not in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------------------------------

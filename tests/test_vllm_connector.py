@@ -17,6 +17,11 @@ import textwrap
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's CPU engine reserves one core for its own processes, and one more once any KV connector is
+# configured (vllm/utils/ompmultiprocessing.py), so on a 2-core machine vLLM alone ran 1 OpenMP thread
+# and vLLM with a connector 2. bf16 GEMMs split over another number of threads round differently on
+# some CPUs (by up to 4e-3 in logprob on an AMD EPYC). Every engine here reserves the same one core.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -71,10 +76,35 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def max_logprob_gap(a: dict, b: dict) -> float:
-    """Largest difference of the top-k logprobs both runs report, over every generated step."""
-    gaps = [abs(x[t] - y[t]) for x, y in zip(a["logprobs"], b["logprobs"], strict=True) for t in x.keys() & y.keys()]
-    return max(gaps)
+# Two runs that compute the same thing by different code paths (another prefill split, another
+# OpenMP thread count, a kernel chosen for this CPU's ISA) differ by bf16 rounding: bf16 keeps 8
+# significant bits (unit roundoff 2^-9 ≈ 2e-3), and a logprob of size ~5 after a dozen bf16 layers
+# moves by a few of its ulps (measured: up to 4e-3 across thread counts on an AMD EPYC, ~1e-2 across
+# prefill splits). Exactness is claimed bit for bit only between runs of one code path.
+BF16_LOGPROB_TOL = 0.02
+
+
+def assert_agrees(got: dict, want: dict, tol: float) -> None:
+    """Two greedy runs of one prompt agree within `tol`, step by step.
+
+    While both runs have produced the same tokens, the top-k logprobs both report at the next step
+    differ by less than `tol`. Where the chosen tokens differ, that step must be a near-tie in the
+    reference (its top-1 lead under 2·tol, so noise of `tol` on each side may flip the argmax, as it
+    does on a random-weight model's near-uniform distribution); the runs then condition on different
+    tokens and later steps are not compared.
+    """
+    steps = zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"], strict=True)
+    for step, (got_token, want_token, got_lp, want_lp) in enumerate(steps):
+        shared = got_lp.keys() & want_lp.keys()
+        assert shared, f"step {step}: no top-k token in common"
+        gap = max(abs(got_lp[t] - want_lp[t]) for t in shared)
+        assert gap < tol, f"step {step}: logprobs differ by {gap:.2e} (tolerance {tol})"
+        if got_token != want_token:
+            first, second = sorted(want_lp.values(), reverse=True)[:2]
+            assert first - second < 2 * tol, (
+                f"step {step}: tokens {got_token} != {want_token} with a lead of {first - second:.2e}"
+            )
+            return
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +133,10 @@ def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(alone, 
     (got,) = run(with_connector, [prompt], budget=1.0)
     assert got["reuse"] == {"matched": 1500, "reused": 0, "exact_state": False}
     (want,) = run(alone, [prompt])
-    assert got["tokens"] == want["tokens"] and got["logprobs"][0] == want["logprobs"][0]
-    # Later steps differ from vLLM alone by a few 1e-3 with *any* connector on: bit for bit, they
-    # match vLLM with a connector that does nothing.
+    # With the same thread count this matched vLLM alone bit for bit (AMD EPYC), but vLLM alone has no
+    # connector hooks at all: it is held to bf16 noise, the do-nothing connector to every bit.
+    assert_agrees(got, want, BF16_LOGPROB_TOL)
+    # Bit for bit, it answers as vLLM with a connector that does nothing: the same code path.
     control = make_engine(checkpoint, {**connector_config(""), "kv_connector": "NoOpConnector",
                                        "kv_connector_module_path": "tests.vllm_noop_connector"})  # fmt: skip
     try:
@@ -122,8 +153,7 @@ def test_resuming_from_an_exact_checkpoint_answers_as_full_prefill(alone, with_c
     (got,) = run(with_connector, [prompt])
     assert got["reuse"] == {"matched": 1800, "reused": 1800, "exact_state": True}
     (want,) = run(alone, [prompt])
-    assert got["tokens"] == want["tokens"]
-    assert max_logprob_gap(got, want) < 0.02  # bf16 noise of a different prefill split
+    assert_agrees(got, want, BF16_LOGPROB_TOL)  # bf16 noise of a different prefill split
 
 
 def test_tail_replay_reuses_all_but_the_tail_and_stays_close_to_full_prefill(alone, with_connector):
@@ -133,15 +163,14 @@ def test_tail_replay_reuses_all_but_the_tail_and_stays_close_to_full_prefill(alo
     (got,) = run(with_connector, [prompt])
     assert got["reuse"] == {"matched": 2300, "reused": 2300 - round(0.05 * 2300), "exact_state": False}
     (want,) = run(alone, [prompt])
-    first_got, first_want = got["logprobs"][0], want["logprobs"][0]
-    assert max(first_got, key=first_got.get) == max(first_want, key=first_want.get)  # same first token
-    assert max_logprob_gap(got, want) < 0.1  # zero state at s: approximate, unlike the checkpoint
+    assert_agrees(got, want, 0.1)  # zero state at s: approximate, unlike the checkpoint
 
 
 SECOND_PROCESS = textwrap.dedent(
     """
     import json, os, sys
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     from tests.test_vllm_connector import connector_config, make_engine, run, shutdown
 
     def main():
@@ -175,7 +204,7 @@ def test_two_engine_processes_share_one_store(alone, with_connector, checkpoint,
     (got,) = run(with_connector, [prompt])  # this engine never saw `shared`
     assert got["reuse"] == {"matched": 1900, "reused": 1900, "exact_state": True}
     (want,) = run(alone, [prompt])
-    assert got["tokens"] == want["tokens"]
+    assert_agrees(got, want, BF16_LOGPROB_TOL)
 
 
 def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint, redis_factory):
@@ -190,7 +219,8 @@ def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint,
         want = run(alone, prompts)
         for g, w in zip(got, want, strict=True):
             assert g["reuse"]["reused"] == 0  # nothing could be read: full prefill
-            assert g["tokens"] == w["tokens"] and len(g["tokens"]) == 4
+            assert len(g["tokens"]) == 4
+            assert_agrees(g, w, BF16_LOGPROB_TOL)
             assert all(math.isfinite(lp) for step in g["logprobs"] for lp in step.values())
     finally:
         shutdown(llm)

@@ -63,10 +63,12 @@ class StoredPrefixCache:
                 for layer, dims in self._dims.items()
                 for name, dim in dims.items()
             }
-            if cached.decay is not None and size % cached.decay.chunk == 0:  # rides along with its chunk
-                first = start // cached.decay.chunk
-                tensors["decay"] = cached.decay.log_decay[first : first + (end - start) // cached.decay.chunk]
             meta = {"start": start, "tokens": tokens[start:end].tolist()}
+            if cached.decay is not None:
+                # Each summary row rides along with the chunk holding its last token, so the rows of
+                # consecutive chunks concatenate in order whatever the chunk size.
+                tensors["decay"] = cached.decay.log_decay[start // cached.decay.chunk : end // cached.decay.chunk]
+                meta["decay_chunk"] = cached.decay.chunk
             written += self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors)))
         for position, states in cached.checkpoints.items():
             key = state_key(self.keys.prefix(tokens, position, chain))
@@ -83,17 +85,21 @@ class StoredPrefixCache:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def _kv_chunk(self, key: str) -> tuple[list[int], dict[int, dict[str, torch.Tensor]], torch.Tensor | None] | None:
+    def _kv_chunk(
+        self, key: str, start: int
+    ) -> tuple[list[int], dict[int, dict[str, torch.Tensor]], tuple[torch.Tensor, int] | None] | None:
+        """(tokens, attention KV, (decay summary rows, their chunk size) or None) of a stored chunk."""
         entry = self._read(key, "kv")
         if entry is None:
             return None
         tokens = entry.meta.get("tokens")
-        decay = entry.tensors.get("decay")
+        # Entries written before the summary's chunk size was recorded all used DECAY_CHUNK.
+        decay, decay_chunk = entry.tensors.get("decay"), entry.meta.get("decay_chunk", DECAY_CHUNK)
         try:
             layers = {
                 layer: {name: entry.tensors[f"{layer}.{name}"] for name in dims} for layer, dims in self._dims.items()
             }
-            consistent = isinstance(tokens, list) and all(
+            consistent = entry.meta.get("start") == start and isinstance(tokens, list) and all(
                 layers[layer][name].shape[dim] == len(tokens)
                 for layer, dims in self._dims.items()
                 for name, dim in dims.items()
@@ -101,8 +107,10 @@ class StoredPrefixCache:
             consistent = consistent and (
                 decay is None
                 or (
-                    decay.dim() == 3
-                    and decay.shape[0] == len(tokens) // DECAY_CHUNK
+                    isinstance(decay_chunk, int)
+                    and decay_chunk > 0
+                    and decay.dim() == 3
+                    and decay.shape[0] == (start + len(tokens)) // decay_chunk - start // decay_chunk
                     and decay.shape[1] == len(self.model.description.linear_layers)
                 )
             )
@@ -111,7 +119,7 @@ class StoredPrefixCache:
         if not consistent:
             self.store.corrupt(key, "tensors do not match this model's attention layout or the chunk's tokens")
             return None
-        return tokens, layers, decay
+        return tokens, layers, (decay, decay_chunk) if decay is not None else None
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
         key = state_key(self.keys.prefix(prompt, position, chain))
@@ -146,10 +154,10 @@ class StoredPrefixCache:
         size = self.keys.chunk_tokens
         chunk_tokens: list[list[int]] = []
         chunk_layers: list[dict[int, dict[str, torch.Tensor]]] = []
-        chunk_decay: list[torch.Tensor | None] = []
+        chunk_decay: list[tuple[torch.Tensor, int] | None] = []
         matched = 0
         for index, start in enumerate(range(0, limit, size)):
-            found = self._kv_chunk(kv_chunk_key(chain[index], int(prompt[start])))
+            found = self._kv_chunk(kv_chunk_key(chain[index], int(prompt[start])), start)
             if found is None:
                 break
             tokens, layers, decay = found
@@ -180,6 +188,7 @@ class StoredPrefixCache:
             if states is not None:
                 checkpoints[position] = states
         tokens = torch.tensor([t for chunk in chunk_tokens for t in chunk], dtype=torch.long)
-        # every chunk but a partial last one holds whole decay rows, so they concatenate in order
-        decay = DecaySummary(torch.cat(chunk_decay)) if all(d is not None for d in chunk_decay) else None
+        decay = None  # chunks written without a summary (an architecture without a gate probe) give none
+        if all(d is not None for d in chunk_decay) and len({size for _, size in chunk_decay}) == 1:
+            decay = DecaySummary(torch.cat([rows for rows, _ in chunk_decay]), chunk_decay[0][1])
         return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)

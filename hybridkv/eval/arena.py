@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridkv.eval.contract import ArenaConfig, get_arena_method
+from hybridkv.eval.contract import ArenaConfig, Built, CaptureCache, get_arena_method
+from hybridkv.eval.jsonl import read_jsonl
 from hybridkv.methods import Budget
 from hybridkv.models import HybridModel
 
@@ -34,16 +35,9 @@ def row_key(sample_id: str, method: str, budget) -> tuple[str, str, str]:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a results file; a line cut short by a kill is ignored (its sample reruns)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """Rows of a results file. A last line cut short by a kill is dropped (its sample reruns); any
+    other unreadable line is refused with its line number (HybridKVError), never skipped."""
+    return read_jsonl(path, torn_tail_ok=True) if path.exists() else []
 
 
 def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
@@ -73,6 +67,7 @@ def run_arena(
     Each answer may use the sample's own generation budget (`meta["tokens_to_generate"]`, as RULER
     sets per task), capped by `max_new_tokens` when given.
     """
+    config = dataclasses.replace(config, captures=CaptureCache())  # this run's captures, shared by its methods
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     existing = read_rows(results)
@@ -97,11 +92,12 @@ def run_arena(
             caches, build_s = [], 0.0
             for piece in pieces:
                 started = time.perf_counter()
-                cache = method.build_cache(piece)
-                # A method that reuses an identical earlier build reports that build's cost.
-                build_s += getattr(method, "last_build_s", time.perf_counter() - started)
-                if cache is not None:
-                    caches.append(cache)
+                built = method.build_cache(piece)
+                if not isinstance(built, Built):  # a method from outside hybridkv returns its bare handle
+                    built = Built(built, time.perf_counter() - started)
+                build_s += built.build_s
+                if built.handle is not None:
+                    caches.append(built.handle)
             budget_tokens = sample.meta.get("tokens_to_generate", config.max_new_tokens)
             if max_new_tokens is not None:
                 budget_tokens = min(budget_tokens, max_new_tokens)

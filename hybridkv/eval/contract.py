@@ -3,7 +3,7 @@
 A method is benchmarked through three calls:
 
     setup(model, config)                 once per run
-    build_cache(source) -> handle        question-blind; its cost is reported apart
+    build_cache(source) -> Built         question-blind; its cost is reported apart
     answer(question, caches, config)     -> Answer: the text, its tokens and cost telemetry
 
 Every recovery method of `hybridkv.methods` is offered through `RecoveryArenaMethod`, plus the
@@ -11,7 +11,8 @@ Every recovery method of `hybridkv.methods` is offered through `RecoveryArenaMet
 point group `hybridkv.methods` (in its own pyproject: `[project.entry-points."hybridkv.methods"]
 my-method = "my_pkg.module:factory"`); the factory takes the budget (or None) and returns an
 object with the three calls. `hybridkv arena run --methods my-method` then benchmarks it
-without any edit here.
+without any edit here. (A method outside hybridkv may return its bare handle from build_cache: the
+runner then reports the call's wall time as its cost.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridkv.cache import CachedPrompt, Hit, capture_prompt
+from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute
@@ -33,11 +35,49 @@ from hybridkv.models import HybridModel
 ENTRY_POINT_GROUP = "hybridkv.methods"
 
 
+@dataclass(frozen=True)
+class Built:
+    """What `build_cache` returns: the handle `answer` gets, and what building it cost."""
+
+    handle: Any
+    build_s: float  # a build served from an identical earlier one reports that one's cost
+
+
+class CaptureCache:
+    """Captures shared by the methods of one arena run; the runner owns one per run.
+
+    Methods asking for the same capture of the same source share it, so a sample-major run
+    prefills each document once per kind of capture (checkpoint interval), not once per method,
+    and questions on one shared document reuse it. Keyed by the model's fingerprint (config and
+    weights; never `id(model)`, which a freed model hands on to the next one), the checkpoint
+    interval and the source tokens; the latest `capacity` captures are kept.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, int | None, tuple[int, ...]], Built] = OrderedDict()
+
+    def capture(self, model: HybridModel, fingerprint: str, source: list[int], interval: int | None) -> Built:
+        key = (fingerprint, interval, tuple(source))
+        if (built := self._entries.get(key)) is not None:
+            self._entries.move_to_end(key)
+            return built
+        started = time.perf_counter()
+        cached = capture_prompt(model, torch.tensor(source, dtype=torch.long), interval)
+        built = Built(cached, time.perf_counter() - started)
+        self._entries[key] = built
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return built
+
+
 @dataclass
 class ArenaConfig:
     max_new_tokens: int = 32  # the runner sets it per sample (the task's answer budget, capped by the user)
     checkpoint_interval: int | None = 384
     extra: dict[str, Any] = field(default_factory=dict)
+    # The run's shared captures: `run_arena` gives each run its own. None: every build captures anew.
+    captures: CaptureCache | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -59,7 +99,7 @@ class ArenaMethod(Protocol):
 
     def setup(self, model: HybridModel, config: ArenaConfig) -> None: ...
 
-    def build_cache(self, source: list[int]) -> Any: ...
+    def build_cache(self, source: list[int]) -> Built: ...
 
     def answer(self, question: list[int], caches: list[Any], config: ArenaConfig) -> Answer: ...
 
@@ -71,14 +111,9 @@ class RecoveryArenaMethod:
     and only the first is a prefix hit: the KV of the others was computed at other positions after
     other text, which a prefix method cannot use, so it recomputes them with the question.
 
-    Methods asking for the same capture of the same source share it: the latest few captures of
-    each kind (checkpoint interval) are kept, so a sample-major run prefills each document once
-    per kind, not once per method, and questions on one shared document reuse it. Every method
-    still reports the build time it would have paid.
+    Captures come from the run's `CaptureCache` when the config has one; every method still
+    reports the build time it would have paid.
     """
-
-    _SHARED_CAPTURES = 32
-    _captures: OrderedDict[tuple, tuple[CachedPrompt, float]] = OrderedDict()
 
     def __init__(self, recovery: RecoveryMethod, budget: Budget | None) -> None:
         self.recovery = recovery
@@ -88,24 +123,17 @@ class RecoveryArenaMethod:
     def setup(self, model: HybridModel, config: ArenaConfig) -> None:
         self.model = model
         self.config = config
+        self.fingerprint = model_fingerprint(model) if config.captures is not None else None
 
-    def build_cache(self, source: list[int]) -> CachedPrompt:
+    def build_cache(self, source: list[int]) -> Built:
         if self.name == "full":  # full prefill reuses nothing: keep the tokens, build no KV
-            self.last_build_s = 0.0
-            return CachedPrompt(torch.tensor(source, dtype=torch.long), {})
+            return Built(CachedPrompt(torch.tensor(source, dtype=torch.long), {}), 0.0)
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
-        shared, key = RecoveryArenaMethod._captures, (id(self.model), interval, tuple(source))
-        if key in shared:
-            shared.move_to_end(key)
-            cached, self.last_build_s = shared[key]
-            return cached
+        if self.config.captures is not None:
+            return self.config.captures.capture(self.model, self.fingerprint, source, interval)
         started = time.perf_counter()
         cached = capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
-        self.last_build_s = time.perf_counter() - started
-        shared[key] = (cached, self.last_build_s)
-        while len(shared) > self._SHARED_CAPTURES:
-            shared.popitem(last=False)
-        return cached
+        return Built(cached, time.perf_counter() - started)
 
     def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:
         cached, *others = caches
@@ -140,8 +168,8 @@ class NoContext:
     def setup(self, model: HybridModel, config: ArenaConfig) -> None:
         self.model = model
 
-    def build_cache(self, source: list[int]) -> None:
-        return None
+    def build_cache(self, source: list[int]) -> Built:
+        return Built(None, 0.0)
 
     def answer(self, question: list[int], caches: list[Any], config: ArenaConfig) -> Answer:
         prompt = torch.tensor(question, dtype=torch.long)

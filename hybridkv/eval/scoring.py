@@ -11,24 +11,19 @@ Sources reimplemented here (read, not copied):
   prediction is first stripped, its control characters ``[\\x00-\\x1f]`` turned into newlines,
   and stripped again (``postprocess_pred``).
 * LongBench v1 — THUDM/LongBench ``LongBench/metrics.py`` and ``LongBench/eval.py``, plus the
-  two libraries it calls: the ``rouge`` package 1.0.1 (pltrdy/rouge) and ``fuzzywuzzy`` 0.18
-  without python-Levenshtein (LongBench's requirements do not list it, so ``fuzz.ratio`` runs
-  on ``difflib.SequenceMatcher``).
+  libraries it calls: jieba 0.42.1 (Chinese segmentation for ``qa_f1_zh_score`` and
+  ``rouge_zh_score``, imported lazily on first use), the ``rouge`` package 1.0.1 (pltrdy/rouge)
+  and ``fuzzywuzzy`` 0.18 without python-Levenshtein (LongBench's requirements do not list it,
+  so ``fuzz.ratio`` runs on ``difflib.SequenceMatcher``).
 
-Deliberate differences from the official LongBench code, each because a dependency is absent:
+The LongBench scores are meant to equal the official ones digit for digit, including the
+official code's accidents: ``rouge_score`` reproduces the ``rouge`` package's summary-level
+ROUGE-L with its quirks, and also the 0.0 that LongBench's bare ``except`` returns when the
+package's recursive LCS rebuild overflows Python's default recursion limit on a very long
+sentence pair (see ``rouge_score``; ``official=False`` scores such pairs properly instead).
 
-* **Chinese tokenisation.** The official ``qa_f1_zh_score`` and ``rouge_zh_score`` segment with
-  jieba, which is not available here. We tokenise Chinese at the character level instead
-  (every character is a token, after the official per-token Chinese normalisation). For text
-  that is all Han characters this gives character-level F1 / ROUGE-L, which is usually a little
-  higher than jieba's word-level score; a run of Latin letters or digits becomes one token per
-  character rather than one word. Scores on multifieldqa_zh, dureader and vcsum are therefore
-  comparable across methods within hybridkv, but not digit-for-digit with published numbers.
-* **ROUGE-L** is reimplemented to reproduce the ``rouge`` package's ``rouge-l`` "f" exactly,
-  including its quirks (see ``rouge_score``), with one exception: the package rebuilds the LCS
-  recursively, so a sentence pair whose word counts add up to roughly 1,000 or more raises
-  RecursionError, which LongBench's bare ``except`` turns into a score of 0. We rebuild the LCS
-  iteratively and score such pairs properly.
+One remaining caveat:
+
 * **code_sim** uses ``difflib.SequenceMatcher`` directly (what fuzzywuzzy falls back to); with
   python-Levenshtein installed fuzzywuzzy would use a Levenshtein-based ratio, which can differ.
 """
@@ -36,8 +31,11 @@ Deliberate differences from the official LongBench code, each because a dependen
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -144,21 +142,50 @@ def qa_f1_score(prediction: str, gold: str, **_: object) -> float:
     return token_f1(normalize_answer(prediction).split(), normalize_answer(gold).split())
 
 
-def _zh_tokens(text: str) -> list[str]:
-    # Official: jieba words, each normalised, empties dropped. Here: characters instead of
-    # jieba words (jieba is unavailable), with the same per-token normalisation.
-    tokens = (normalize_zh_answer(ch) for ch in text)
-    return [token for token in tokens if token]
+@functools.cache
+def _jieba_tokenizer():  # -> jieba.Tokenizer (jieba is imported here, not with this module)
+    """A private jieba tokenizer on jieba's default dictionary, built on first use.
+
+    The same segmentation as the official ``jieba.cut`` (which is ``jieba.dt.cut``, a Tokenizer
+    on the default dictionary), but a dictionary another caller loads into ``jieba.dt``
+    (``load_userdict``, ``add_word``) does not reach it. No user dictionary is ever loaded.
+    Building the prefix dictionary logs "Building prefix dict ..." at DEBUG on jieba's own
+    stderr handler; jieba's logger is raised to WARNING for that, then put back.
+    """
+    with warnings.catch_warnings():
+        # jieba 0.42.1 imports pkg_resources (a DeprecationWarning) and has regexes with
+        # invalid escapes (a Syntax/DeprecationWarning when its source is compiled).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", SyntaxWarning)
+        import jieba
+
+    tokenizer = jieba.Tokenizer()
+    logger = logging.getLogger("jieba")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        tokenizer.initialize()
+    finally:
+        logger.setLevel(level)
+    return tokenizer
+
+
+def jieba_cut(text: str) -> list[str]:
+    """``list(jieba.cut(text, cut_all=False))`` as LongBench calls it (HMM on, default
+    dictionary). Spaces and punctuation come back as tokens of their own."""
+    return list(_jieba_tokenizer().cut(text, cut_all=False))
 
 
 def qa_f1_zh_score(prediction: str, gold: str, **_: object) -> float:
-    """Chinese token F1 — CHARACTER-level, not jieba words as in the official metric.
+    """Chinese token F1 as LongBench computes it: jieba words (``cut_all=False``), each
+    normalised with ``normalize_zh_answer``, empty tokens dropped, then multiset token F1.
 
-    jieba is not available, so each character is a token; each is normalised as the official
-    code normalises jieba tokens (lowercase, Chinese/ASCII punctuation and whitespace removed)
-    and empty tokens are dropped. See the module docstring for how this compares.
+    Word-level, so a partial word scores nothing: "上海" vs "上海市" is 0 (two different
+    words), and "北京 大学" ([北京, 大学]) vs "北京大学" ([北京大学]) is 0.
     """
-    return token_f1(_zh_tokens(prediction), _zh_tokens(gold))
+    prediction_tokens = [token for token in map(normalize_zh_answer, jieba_cut(prediction)) if token]
+    gold_tokens = [token for token in map(normalize_zh_answer, jieba_cut(gold)) if token]
+    return token_f1(prediction_tokens, gold_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,9 +199,42 @@ def _rouge_sentences(text: str) -> list[str]:
     return [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
 
 
-def _lcs_words(reference: list[str], candidate: list[str]) -> set[str]:
+# The official ROUGE-L dies of RecursionError on very long sentence pairs, and LongBench's bare
+# ``except`` in rouge_score turns that into 0.0. The package rebuilds one LCS per (gold
+# sentence, predicted sentence) pair with the recursive ``_recon(i, j)`` of rouge/rouge_score.py,
+# starting at (len(gold words), len(predicted words)); each call takes one step of the walk
+# back through the LCS table (diagonal on a match, else up or left) and the call with i == 0 or
+# j == 0 ends it. So the pair needs 1 + (number of steps) ``_recon`` frames — between
+# min(len) + 1 and len(gold) + len(pred) frames, set by the path, not by the word counts.
+#
+# Under them sit, when eval.py runs as a script (``python eval.py``): <module>, scorer (or
+# scorer_e), rouge_score, Rouge.get_scores, Rouge._get_avg_scores, the "rouge-l" lambda,
+# rouge_l_summary_level, _union_lcs and _recon_lcs — 9 frames; rouge_zh_score adds one.
+# Python 3.11+ raises once more than sys.getrecursionlimit() = 1000 Python frames are live, so
+# the official score is 0.0 exactly when the recon depth exceeds 1000 − 9 = 991 (English) or
+# 990 (rouge_zh_score). Measured with the real rouge 1.0.1 under the official eval.scorer at
+# module level, by bisection on both sides of the boundary, on CPython 3.11.7, 3.12.1 and
+# 3.13.0 (identical texts: depth = words + 1; a long prediction with one shared last word:
+# depth = predicted words + 2).
+#
+# Residual uncertainty, in what the official run looked like rather than in this count:
+# * CPython 3.8–3.10 fail ONE frame earlier (depth > 990 English, > 989 Chinese), measured the
+#   same way on 3.8.18, 3.9.18 and 3.10.13: there PyObject_RichCompare (the ``i == 0`` test in
+#   the deepest _recon) also counts against the limit. We follow 3.11+, the Python this project
+#   runs on; the published 2023 numbers may come from either. Only pairs at exactly that one
+#   depth differ.
+# * Any frame above eval.py's (``python -m``, a notebook, a wrapper calling scorer, a raised
+#   recursion limit) moves the boundary by that many frames.
+_RECURSION_LIMIT = 1000
+_OFFICIAL_FRAMES_BELOW_RECON = 9
+MAX_RECON_DEPTH = _RECURSION_LIMIT - _OFFICIAL_FRAMES_BELOW_RECON  # 991: rouge_score
+MAX_RECON_DEPTH_ZH = MAX_RECON_DEPTH - 1  # 990: rouge_zh_score calls rouge_score
+
+
+def _lcs_words(reference: list[str], candidate: list[str]) -> tuple[set[str], int]:
     """The words of one LCS of two word lists, rebuilt as the package rebuilds it (ties go
-    towards a shorter candidate prefix), as a set."""
+    towards a shorter candidate prefix), as a set; and the number of ``_recon`` frames the
+    package's recursive rebuild needs for it (see MAX_RECON_DEPTH)."""
     rows, cols = len(reference), len(candidate)
     table = [[0] * (cols + 1) for _ in range(rows + 1)]
     for i in range(1, rows + 1):
@@ -187,7 +247,9 @@ def _lcs_words(reference: list[str], candidate: list[str]) -> set[str]:
                 here[j] = max(above[j], here[j - 1])
     words: set[str] = set()
     i, j = rows, cols
+    depth = 1  # the call _recon(rows, cols); one more per step; the i == 0 or j == 0 call ends
     while i > 0 and j > 0:
+        depth += 1
         if reference[i - 1] == candidate[j - 1]:
             words.add(reference[i - 1])
             i -= 1
@@ -196,10 +258,31 @@ def _lcs_words(reference: list[str], candidate: list[str]) -> set[str]:
             i -= 1
         else:
             j -= 1
-    return words
+    return words, depth
 
 
-def rouge_score(prediction: str, gold: str, **_: object) -> float:
+def _rouge_l(prediction: str, gold: str, max_depth: int | None) -> float:
+    pred_sentences = _rouge_sentences(prediction)
+    gold_sentences = _rouge_sentences(gold)
+    if not pred_sentences or not gold_sentences:
+        return 0.0
+    pred_split = [sentence.split(" ") for sentence in pred_sentences]
+    gold_split = [sentence.split(" ") for sentence in gold_sentences]
+    m = len({word for words in gold_split for word in words})
+    n = len({word for words in pred_split for word in words})
+    union: set[str] = set()
+    for gold_words in gold_split:
+        for pred_words in pred_split:
+            words, depth = _lcs_words(gold_words, pred_words)
+            if max_depth is not None and depth > max_depth:
+                return 0.0  # the package's RecursionError, caught by LongBench's bare except
+            union |= words
+    recall = len(union) / m
+    precision = len(union) / n
+    return 2.0 * (precision * recall) / (precision + recall + 1e-8)
+
+
+def rouge_score(prediction: str, gold: str, *, official: bool = True, **_: object) -> float:
     """ROUGE-L F as LongBench gets it from ``Rouge().get_scores(...)["rouge-l"]["f"]``.
 
     That is the ``rouge`` package's summary-level ROUGE-L with its default ``exclusive=True``,
@@ -213,31 +296,30 @@ def rouge_score(prediction: str, gold: str, **_: object) -> float:
     * F = 2PR / (P + R + 1e-8) with R = overlap / m and P = overlap / n — so identical texts
       score 0.999999995, not 1;
     * a text with no sentence (empty, or only dots) makes the package raise, which LongBench
-      turns into 0.0.
+      turns into 0.0;
+    * a sentence pair whose LCS rebuild needs more than MAX_RECON_DEPTH (991) recursive frames
+      makes the package raise RecursionError, which LongBench also turns into 0.0 — e.g. two
+      identical 991-word sentences (depth 992). The condition and how it was measured are in
+      the comment above MAX_RECON_DEPTH.
 
-    Difference: we never hit the package's RecursionError on very long sentence pairs (the
-    official score is then 0.0); see the module docstring.
+    ``official=False`` drops only that last rule and scores such pairs properly (we rebuild
+    the LCS iteratively); the default reproduces the official, and published, numbers.
     """
-    pred_sentences = _rouge_sentences(prediction)
-    gold_sentences = _rouge_sentences(gold)
-    if not pred_sentences or not gold_sentences:
-        return 0.0
-    pred_split = [sentence.split(" ") for sentence in pred_sentences]
-    gold_split = [sentence.split(" ") for sentence in gold_sentences]
-    m = len({word for words in gold_split for word in words})
-    n = len({word for words in pred_split for word in words})
-    union: set[str] = set()
-    for gold_words in gold_split:
-        for pred_words in pred_split:
-            union |= _lcs_words(gold_words, pred_words)
-    recall = len(union) / m
-    precision = len(union) / n
-    return 2.0 * (precision * recall) / (precision + recall + 1e-8)
+    return _rouge_l(prediction, gold, MAX_RECON_DEPTH if official else None)
 
 
-def rouge_zh_score(prediction: str, gold: str, **_: object) -> float:
-    """``rouge_score`` over space-joined CHARACTERS (the official joins jieba words instead)."""
-    return rouge_score(" ".join(prediction), " ".join(gold))
+def rouge_zh_score(prediction: str, gold: str, *, official: bool = True, **_: object) -> float:
+    """``rouge_score`` over the space-joined jieba words of each text, as LongBench does it:
+    ``" ".join(jieba.cut(text, cut_all=False))``. Spaces in the text become tokens of their own
+    and so extra spaces, which the ``rouge`` package then collapses; a "." still splits
+    sentences (also inside a number such as "3.5").
+
+    The official call goes one frame deeper (rouge_zh_score → rouge_score), so with ``official``
+    the RecursionError 0.0 comes one frame earlier: above MAX_RECON_DEPTH_ZH (990).
+    """
+    return _rouge_l(
+        " ".join(jieba_cut(prediction)), " ".join(jieba_cut(gold)), MAX_RECON_DEPTH_ZH if official else None
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from urllib.parse import parse_qs, urlparse
 
-from hybridkv.errors import HybridKVError
-from hybridkv.store.base import Store, StoreError
+from hybridkv.errors import HybridKVError, StoreError
+from hybridkv.store.base import Store
 from hybridkv.store.guarded import GuardedStore
 
 SCHEMES = ("memory", "file", "redis", "valkey", "lmcache")
 
 
 def open_store(url: str) -> Store:
-    """The backend a URL names. Raises HybridKVError for a malformed or unknown URL."""
+    """The backend a URL names. Raises HybridKVError for a malformed or unknown URL, StoreError (a
+    HybridKVError) for a backend that cannot be opened."""
     parsed = urlparse(url)
     scheme = parsed.scheme
     if scheme == "memory":
@@ -28,19 +29,16 @@ def open_store(url: str) -> Store:
         query = parse_qs(parsed.query)
         try:
             capacity = int(query.get("capacity", [DEFAULT_CAPACITY])[0])
-            return MemoryStore(capacity, url=url)
         except ValueError as err:
             raise HybridKVError(f"store {url!r}: capacity must be a positive byte count") from err
+        return MemoryStore(capacity, url=url)
     if scheme == "file":
         from hybridkv.store.file import FileStore
 
         path = (parsed.netloc + parsed.path) if parsed.netloc not in ("", "localhost") else parsed.path
         if not path:
             raise HybridKVError(f"store {url!r}: a file store needs a directory, e.g. file:///tmp/hybridkv")
-        try:
-            return FileStore(path, url=url)
-        except StoreError as err:
-            raise HybridKVError(f"store {url!r}: {err}") from err
+        return FileStore(path, url=url)
     if scheme in ("redis", "valkey"):
         from hybridkv.store.redis_store import RedisStore
 

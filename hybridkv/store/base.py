@@ -5,18 +5,6 @@ from __future__ import annotations
 from typing import Protocol
 
 
-class StoreError(Exception):
-    """A backend could not do what was asked.
-
-    `unavailable`: the backend is down or not answering (every operation will fail for a while);
-    otherwise it refused this one operation (e.g. it is full) and may still serve others.
-    """
-
-    def __init__(self, message: str, unavailable: bool = True) -> None:
-        super().__init__(message)
-        self.unavailable = unavailable
-
-
 class Store(Protocol):
     url: str
 

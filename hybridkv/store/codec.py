@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.errors import CorruptEntry
+
 MAGIC = b"HKVE"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
@@ -24,10 +26,6 @@ _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
 }
-
-
-class CorruptEntry(Exception):
-    """The bytes are not a valid entry, or not the entry that was asked for."""
 
 
 @dataclass

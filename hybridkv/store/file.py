@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hybridkv.store.base import StoreError
+from hybridkv.errors import StoreError
 
 SUFFIX = ".hkv"
 

@@ -12,8 +12,9 @@ import logging
 import time
 from collections import Counter
 
-from hybridkv.store.base import Store, StoreError
-from hybridkv.store.codec import CorruptEntry, Entry, decode
+from hybridkv.errors import CorruptEntry, StoreError
+from hybridkv.store.base import Store
+from hybridkv.store.codec import Entry, decode
 
 log = logging.getLogger("hybridkv.store")
 

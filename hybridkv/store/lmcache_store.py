@@ -30,8 +30,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hybridkv.errors import HybridKVError  # noqa: E402
-from hybridkv.store.base import StoreError  # noqa: E402
+from hybridkv.errors import HybridKVError, StoreError  # noqa: E402
 
 PREFIX = "lmcache://"
 NAMESPACE = "hybridkv"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from hybridkv.store.base import StoreError
+from hybridkv.errors import HybridKVError, StoreError
 
 DEFAULT_CAPACITY = 1 << 30
 
@@ -12,7 +12,7 @@ DEFAULT_CAPACITY = 1 << 30
 class MemoryStore:
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY, url: str = "memory://") -> None:
         if capacity_bytes <= 0:
-            raise ValueError("memory store capacity must be positive")
+            raise HybridKVError(f"store {url!r}: capacity must be a positive byte count")
         self.url = url
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[str, bytes] = OrderedDict()

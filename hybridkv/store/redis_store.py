@@ -13,8 +13,7 @@ from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
-from hybridkv.errors import HybridKVError
-from hybridkv.store.base import StoreError
+from hybridkv.errors import HybridKVError, StoreError
 
 NAMESPACE = "hybridkv:"
 DEFAULT_TIMEOUT_S = 1.0

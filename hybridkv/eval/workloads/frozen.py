@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.eval.jsonl import parse_jsonl
 from hybridkv.eval.workloads import Sample
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -79,16 +80,14 @@ def load_frozen(path: str | os.PathLike) -> list[Sample]:
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
         raise HybridKVError(f"{path}: checksum mismatch (file {actual[:12]}…, recorded {expected[:12]}…); it changed")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise HybridKVError(f"{path}: not UTF-8 text (byte {err.start})") from err
     samples = []
-    for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise HybridKVError(f"{path}:{number}: not JSON ({err.msg})") from err
-        if not isinstance(record, dict) or not set(_REQUIRED) <= set(record) <= set(_FIELDS):
-            raise HybridKVError(f"{path}:{number}: not a sample (fields {', '.join(_FIELDS)})")
+    for number, record in enumerate(parse_jsonl(text, str(path)), 1):
+        if not set(_REQUIRED) <= set(record) <= set(_FIELDS):
+            raise HybridKVError(f"{path}: sample {number} is not a sample (fields {', '.join(_FIELDS)})")
         samples.append(Sample(**record))
     return samples
 

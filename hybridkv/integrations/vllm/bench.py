@@ -97,6 +97,10 @@ def _engine(plan: BenchPlan, config: str, max_len: int, store: str):
 def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     # vLLM's CPU backend otherwise reserves most of the machine's memory for its KV cache.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # vLLM reserves one more CPU core once a KV connector is configured, which would give the
+    # hybridkv engine another OpenMP thread count than the others (2 against 1 on a 2-core machine):
+    # every configuration reserves the same one core, so the TTFTs compare like with like.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a benchmark reports to nobody
     from vllm import SamplingParams
 

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, state_key
+from hybridkv.errors import CorruptEntry
 from hybridkv.methods import Budget
-from hybridkv.store.codec import CorruptEntry, Entry, decode, encode
+from hybridkv.store.codec import Entry, decode, encode
 from hybridkv.store.guarded import GuardedStore
 
 Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
