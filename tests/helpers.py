@@ -40,3 +40,45 @@ def greedy_decode(model, cache, first_logits: torch.Tensor, start: int, steps: i
         logits = model.forward(token, cache, start=start + i, logits_to_keep=1)[0]
         logits_seen.append(logits)
     return tokens, torch.stack(logits_seen)
+
+
+def assert_greedy_agrees(model, prompt: list[int], got: list[int], want: list[int], tol: float = 1e-4) -> None:
+    """Two greedy continuations of `prompt` computed by different code paths are equal, or first
+    differ at a step where the reference (`want`) is a near-tie: its top-1 lead under 2·tol, so
+    float noise of `tol` may flip the argmax (a random-weight model's distributions are near-uniform).
+    Later steps condition on different tokens and are not compared."""
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a != b:
+            history = torch.tensor(prompt + want[:step], dtype=torch.long)
+            logits = model.forward(history, model.new_cache(), start=0, logits_to_keep=1)[-1]
+            first, second = logits.float().topk(2).values.tolist()
+            assert first - second < 2 * tol, (
+                f"step {step}: {a} != {b} though the reference leads by {first - second:.2e}"
+            )
+            return
+
+
+def record_answers(monkeypatch) -> dict[tuple[str, str], list[tuple[list[int], list[int]]]]:
+    """Make the arena runner's methods record, per (method, budget), each answer's prompt tokens and
+    generated tokens (rows keep only the decoded text, which drops ids outside the byte range)."""
+    from hybridkv.eval import arena
+
+    recorded: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
+    build = arena.get_arena_method
+
+    def recording(name, budget):
+        method = build(name, budget)
+        answer = method.answer
+
+        def recorded_answer(question, caches, config):
+            result = answer(question, caches, config)
+            prompt = [int(t) for cache in caches for t in cache.tokens] + list(question)
+            recorded.setdefault((name, str(budget)), []).append((prompt, list(result.tokens)))
+            return result
+
+        method.answer = recorded_answer
+        return method
+
+    monkeypatch.setattr(arena, "get_arena_method", recording)
+    return recorded

@@ -13,6 +13,7 @@ from hybridkv.eval.contract import ArenaConfig, available_methods, get_arena_met
 from hybridkv.eval.workloads import Sample
 from hybridkv.methods import Budget
 from hybridkv.models.tokenizer import ByteTokenizer
+from tests.helpers import assert_greedy_agrees, record_answers
 
 
 def samples(n: int) -> list[Sample]:
@@ -48,11 +49,14 @@ def test_every_sample_gets_one_row_per_method_and_budget(model, tmp_path):
         assert row["recomputed_layer_tokens"] <= row["dense_layer_tokens"]
 
 
-def test_whole_prefix_replay_answers_exactly_as_full_prefill(model, tmp_path):
-    rows = read_rows(run_arena(model, ByteTokenizer(), samples(2), PLAN, CONFIG, tmp_path, contains_gold, False))
-    full = {r["id"]: r["prediction"] for r in rows if r["method"] == "full"}
-    replay = {r["id"]: r["prediction"] for r in rows if r["method"] == "tail-replay" and r["budget"] == 1.0}
-    assert full == replay
+def test_whole_prefix_replay_answers_exactly_as_full_prefill(model, tmp_path, monkeypatch):
+    answers = record_answers(monkeypatch)
+    run_arena(model, ByteTokenizer(), samples(2), PLAN, CONFIG, tmp_path, contains_gold, False)
+    full, replay = answers[("full", "None")], answers[("tail-replay", str(Budget(1.0)))]
+    assert len(full) == len(replay) == 2
+    for (prompt, want), (replay_prompt, got) in zip(full, replay, strict=True):
+        assert replay_prompt == prompt
+        assert_greedy_agrees(model, prompt, got, want)
 
 
 def test_a_killed_run_resumes_without_duplicates(model, tmp_path):

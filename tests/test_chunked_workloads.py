@@ -16,6 +16,7 @@ from hybridkv.eval.workloads import Sample, agent_reports, rag
 from hybridkv.eval.workloads.frozen import freeze, load_frozen
 from hybridkv.methods import Budget
 from hybridkv.models.tokenizer import ByteTokenizer
+from tests.helpers import assert_greedy_agrees, record_answers
 
 
 def prompt_tokens(sample: Sample, tokenizer) -> int:
@@ -122,8 +123,11 @@ def test_the_runner_builds_one_cache_per_chunk_tokenised_alone(models, tmp_path,
     assert row["chunks"] == len(sample.chunks) and row["context_tokens"] == sum(map(len, recorder.built))
 
 
-def test_prefix_methods_reuse_only_the_first_chunk_and_replaying_it_all_equals_full_prefill(models, tmp_path):
+def test_prefix_methods_reuse_only_the_first_chunk_and_replaying_it_all_equals_full_prefill(
+    models, tmp_path, monkeypatch
+):
     model, tokenizer = models["tiny-glm5-next"], ByteTokenizer()
+    answers = record_answers(monkeypatch)
     data = rag.generate("rag", 2048, 2, tokenizer)
     plan = ArenaPlan("rag", ["full", "zero-state", "tail-replay"], [Budget(fraction=1.0)])
     rows = read_rows(run_arena(model, tokenizer, data, plan, ArenaConfig(max_new_tokens=4), tmp_path, rag.score, False))
@@ -136,4 +140,8 @@ def test_prefix_methods_reuse_only_the_first_chunk_and_replaying_it_all_equals_f
         assert zero["reused_tokens"] == replay["reused_tokens"] == header  # the header is the only prefix hit
         assert zero["recomputed_layer_tokens"] == (prompt - header) * layers
         assert replay["recomputed_layer_tokens"] == full["recomputed_layer_tokens"] == prompt * layers
-        assert replay["prediction"] == full["prediction"]
+    for (prompt, want), (replay_prompt, got) in zip(
+        answers[("full", "None")], answers[("tail-replay", str(Budget(fraction=1.0)))], strict=True
+    ):
+        assert replay_prompt == prompt
+        assert_greedy_agrees(model, prompt, got, want)
