@@ -26,6 +26,7 @@ INTERVAL = 32  # checkpoint interval B
 PROMPT_LEN = 192
 CACHED_LEN = 200
 EXACT_KL = 1e-6
+TOP1_NOISE = 1e-4  # float32 logit noise between exact methods computed by different code paths
 
 
 def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -33,10 +34,6 @@ def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     log_p = torch.log_softmax(reference.double(), dim=-1)
     log_q = torch.log_softmax(other.double(), dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-
-
-def top1_agreement(reference: torch.Tensor, other: torch.Tensor) -> float:
-    return (reference.argmax(-1) == other.argmax(-1)).double().mean().item()
 
 
 @dataclass
@@ -85,7 +82,12 @@ def assert_exact(s: Scenario, logits: torch.Tensor) -> None:
     assert logits.shape == s.reference.shape
     kl = mean_kl(s.reference, logits)
     assert kl < EXACT_KL, kl
-    assert top1_agreement(s.reference, logits) == 1.0
+    # Same argmax wherever the reference is not a near-tie: float32 noise (~1e-5 in a logit) may flip
+    # a near-uniform random-weight distribution's top-1 only where its lead is below twice that.
+    top2 = s.reference.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * TOP1_NOISE
+    assert clear.any()
+    assert torch.equal(s.reference.argmax(-1)[clear], logits.argmax(-1)[clear])
 
 
 # ---------------------------------------------------------------------------------------------
