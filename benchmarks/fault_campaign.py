@@ -64,7 +64,7 @@ def entry_keys(stored: StoredPrefixCache, tokens: torch.Tensor, checkpoints) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-qwen3-next")
+    parser.add_argument("--model", default="random-qwen3-next")
     parser.add_argument("--trials", type=int, default=300)
     parser.add_argument("--matched", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

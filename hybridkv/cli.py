@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.workloads import WORKLOADS
-from hybridkv.models.tiny import DEFAULT_MODEL, TINY_MODELS
+from hybridkv.models.tiny import BUILTIN_MODELS, DEFAULT_MODEL
 
 
 def _int_list(text: str) -> list[int]:
@@ -39,7 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     validate.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"built-in model ({', '.join(TINY_MODELS)}) or a checkpoint directory"
+        "--model", default=DEFAULT_MODEL, help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or a checkpoint directory"
     )
     validate.add_argument("--prefix-lengths", type=_int_list, default="1000,2048", help="matched prefix lengths L")
     validate.add_argument(
@@ -183,8 +183,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench_vllm.add_argument(
         "--model",
-        default="tiny-qwen3-next",
-        help="checkpoint directory vLLM can serve; tiny-qwen3-next writes a seeded random-weight one to OUT/model",
+        default="random-qwen3-next",
+        help="checkpoint directory vLLM can serve; random-qwen3-next writes a seeded random-weight one to OUT/model",
     )
     bench_vllm.add_argument("--prefix-lengths", type=_int_list, default="2048,8192", help="shared prefix lengths")
     bench_vllm.add_argument("--requests", type=int, default=8, help="measured requests per prefix length")
@@ -193,7 +193,57 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_vllm.add_argument("--store", default=None, help="hybridkv store URL (default: a file store in OUT/store)")
     bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
     bench_vllm.add_argument("--no-progress", action="store_true")
+
+    train = commands.add_parser(
+        "train",
+        help="train a built-in tiny hybrid on the offline task mix (resumable)",
+        description=(
+            "Trains a built-in model's transformers class on long-context tasks in the arena's formats (needle "
+            "retrieval, variable tracking, passage QA) written by hybridkv's own generators over text every "
+            "Python install ships (its reference topics and standard-library sources), from short to long "
+            "examples. RUN_DIR gets checkpoint/ (weights, optimiser, data position, RNG), log.jsonl and loss.png; "
+            "running the same command again resumes from the last checkpoint. Keep RUN_DIR outside the "
+            "repository; `hybridkv train --export` copies the trained weights where the package loads them."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from hybridkv.train.loop import DEFAULT_SCHEDULE, TrainConfig
+
+    defaults = TrainConfig(model=DEFAULT_MODEL, run_dir=Path("."))
+    train.add_argument("run_dir", type=Path, help="run directory (created; resumed when it holds a checkpoint)")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="built-in model to train")
+    train.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the data stream")
+    train.add_argument(
+        "--schedule",
+        default=",".join(f"{length}:{steps}" for length, steps in DEFAULT_SCHEDULE),
+        help="curriculum: LENGTH:STEPS pairs, example length in tokens and optimiser steps at it",
+    )
+    train.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="tokens per batch")
+    train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (cosine decay)")
+    train.add_argument("--eval-every", type=int, default=defaults.eval_every, help="held-out evaluation interval")
+    train.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint interval (steps)")
+    train.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    train.add_argument("--stop-at", type=int, default=None, help="end this stretch at this step (resume later)")
+    train.add_argument(
+        "--export", action="store_true",
+        help="do not train: copy RUN_DIR's checkpoint weights into the package as the built-in MODEL",
+    )  # fmt: skip
     return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    from hybridkv.train.loop import TrainConfig, export, parse_schedule, train
+
+    if args.export:
+        print(f"wrote {export(args.run_dir, args.model)}")
+        return
+    config = TrainConfig(
+        model=args.model, run_dir=args.run_dir, seed=args.seed, schedule=parse_schedule(args.schedule),
+        tokens_per_step=args.tokens_per_step, lr=args.lr, eval_every=args.eval_every, save_every=args.save_every,
+        threads=args.threads, stop_at=args.stop_at,
+    )  # fmt: skip
+    checkpoint = train(config)
+    print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")
 
 
 def _ttft(args: argparse.Namespace) -> None:
@@ -250,10 +300,10 @@ def _vllm_bench(args: argparse.Namespace) -> None:
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
     model = args.model
-    if model == "tiny-qwen3-next":
+    if model == "random-qwen3-next":
         model = str(write_tiny_qwen3_next(args.out / "model"))
     elif not Path(model).is_dir():
-        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or tiny-qwen3-next)")
+        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or random-qwen3-next)")
     plan = BenchPlan(model, args.prefix_lengths, args.requests, args.suffix_tokens, args.budget, args.store)
     run_bench(plan, args.out, show_progress=not args.no_progress)
     print((args.out / "report.md").read_text())
@@ -418,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             _plan(args)
         elif args.command == "vllm-bench":
             _vllm_bench(args)
+        elif args.command == "train":
+            _train(args)
     except HybridKVError as err:
         print(f"hybridkv: error: {err}", file=sys.stderr)
         return 2

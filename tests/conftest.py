@@ -16,7 +16,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hybridkv.models import TINY_MODELS, load_model  # noqa: E402
+from hybridkv.models import RANDOM_MODELS, load_model  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 torch.set_num_threads(2)
@@ -73,7 +73,7 @@ def make_workload():
 
 @pytest.fixture(scope="session")
 def tiny_model_names() -> list[str]:
-    return list(TINY_MODELS)
+    return list(RANDOM_MODELS)
 
 
 class RedisServer:

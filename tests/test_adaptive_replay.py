@@ -16,12 +16,12 @@ from hybridkv.cache import LinearState, PrefixCache, assemble_cache, capture_pro
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.methods import Budget, dropped_state_bound, execute, get_method
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
-from hybridkv.models import TINY_MODELS
+from hybridkv.models import RANDOM_MODELS
 from hybridkv.models.decay import DECAY_CHUNK
 from hybridkv.store import GuardedStore, open_store
 from tests.conftest import random_tokens
 
-NAMES = list(TINY_MODELS)
+NAMES = list(RANDOM_MODELS)
 START, END = 2 * DECAY_CHUNK, 6 * DECAY_CHUNK  # a replay window on chunk boundaries
 
 
@@ -56,7 +56,7 @@ def test_first_layer_state_error_obeys_the_decay_bound(captured, name):
     assert ratio.shape == per_head_bound.shape
     assert (ratio <= per_head_bound * (1 + 1e-4) + 1e-6).all(), (ratio, per_head_bound)
     assert (per_head_bound < 1).any()  # not vacuous: some head forgets measurably
-    if name == "tiny-nemotron-h":  # Mamba-2 decays the whole state by exactly that factor
+    if name == "random-nemotron-h":  # Mamba-2 decays the whole state by exactly that factor
         torch.testing.assert_close(ratio, per_head_bound, rtol=1e-3, atol=1e-7)
     # the summary's bound is the worst head of the worst layer
     assert cached.decay.bound(START, END) >= float(per_head_bound.max()) * (1 - 1e-6)
@@ -86,7 +86,7 @@ def test_adaptive_tail_is_the_shortest_under_the_tolerance(captured, name):
 
 
 def test_adaptive_replay_of_everything_is_exact(captured):
-    model, tokens, cached = captured("tiny-glm5-next")
+    model, tokens, cached = captured("random-glm5-next")
     store = PrefixCache()
     store.add(cached)
     prompt = torch.cat([tokens[:300], torch.tensor([7, 8, 9, 10])])
@@ -102,7 +102,7 @@ def test_adaptive_replay_of_everything_is_exact(captured):
 def test_decay_summary_round_trips_through_a_store(captured, chunk_tokens):
     """Whatever the store's chunk size, the summary comes back whole (it used to be dropped, and
     adaptive-replay silently replayed the budget, when the size was not a multiple of 64)."""
-    model, tokens, cached = captured("tiny-qwen3-next")
+    model, tokens, cached = captured("random-qwen3-next")
     stored = StoredPrefixCache(model, GuardedStore(open_store("memory://")), chunk_tokens=chunk_tokens)
     stored.add(cached)
     prompt = torch.cat([tokens[: 5 * DECAY_CHUNK + 20], torch.tensor([1, 2])])
@@ -121,7 +121,7 @@ def test_decay_summary_round_trips_through_a_store(captured, chunk_tokens):
 
 
 def test_adaptive_replay_without_a_summary_replays_the_budget(captured):
-    model, tokens, cached = captured("tiny-glm5-next")
+    model, tokens, cached = captured("random-glm5-next")
     store = PrefixCache()
     store.add(type(cached)(cached.tokens, cached.attention))  # a cached prompt written without gates
     hit = store.lookup(torch.cat([tokens[:200], torch.tensor([1])]))
@@ -136,7 +136,7 @@ def test_a_stored_chunk_with_a_malformed_decay_summary_is_rejected(captured):
     from hybridkv.cache.keys import kv_chunk_key
     from hybridkv.store.codec import Entry, decode, encode
 
-    model, tokens, cached = captured("tiny-glm5-next")
+    model, tokens, cached = captured("random-glm5-next")
     guarded = GuardedStore(open_store("memory://"))
     stored = StoredPrefixCache(model, guarded)
     stored.add(cached)

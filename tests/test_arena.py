@@ -30,7 +30,7 @@ def contains_gold(task: str, prediction: str, golds: list[str], meta: dict | Non
 
 @pytest.fixture(scope="module")
 def model(models):
-    return models["tiny-olmo-hybrid"]
+    return models["random-olmo-hybrid"]
 
 
 PLAN = ArenaPlan("toy", ["no-context", "full", "zero-state", "tail-replay"], [Budget(fraction=0.1), Budget(1.0)])
@@ -124,7 +124,7 @@ def test_captures_are_keyed_by_the_models_weights_not_its_identity():
     from hybridkv.eval.contract import CaptureCache
     from hybridkv.models import load_model
 
-    model = load_model("tiny-olmo-hybrid")  # our own copy: its weights change below
+    model = load_model("random-olmo-hybrid")  # our own copy: its weights change below
     source = list(range(3, 103))
     captures = CaptureCache()
     config = ArenaConfig(checkpoint_interval=64, captures=captures)
@@ -217,7 +217,7 @@ def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
     out = tmp_path / "arena"
     argv = ["arena", "run", "--workload", "ruler", "--tasks", "niah_single_1,vt,qa_1", "--lengths", "1024",
             "--samples", "1", "--methods", "no-context,full,tail-replay", "--budgets", "0.1",
-            "--model", "tiny-olmo-hybrid", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]  # fmt: skip
+            "--model", "random-olmo-hybrid", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     assert "qa_1 skipped" in capsys.readouterr().out
     rows = read_rows(out / "results.jsonl")
@@ -257,7 +257,7 @@ def test_arena_runs_longbench_from_a_local_copy_and_rescores_with_its_classes(tm
     out = tmp_path / "arena"
     argv = ["arena", "run", "--workload", "longbench", "--data", str(data), "--tasks", "hotpotqa,trec",
             "--lengths", "1024", "--samples", "2", "--methods", "no-context,full,tail-replay", "--budgets", "0.1",
-            "--model", "tiny-olmo-hybrid", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]  # fmt: skip
+            "--model", "random-olmo-hybrid", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     rows = read_rows(out / "results.jsonl")
     assert len(rows) == 2 * 2 * 3

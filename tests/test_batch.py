@@ -13,7 +13,7 @@ import torch
 from hybridkv import HybridKVError
 from hybridkv.cache import Hit, PrefixCache, capture_prompt
 from hybridkv.methods import Recipe, execute, execute_batch
-from hybridkv.models import TINY_MODELS
+from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
 
 SPAN = 100  # tokens each request computes
@@ -29,7 +29,7 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("name", list(TINY_MODELS))
+@pytest.mark.parametrize("name", list(RANDOM_MODELS))
 def test_a_batch_answers_as_each_request_alone(models, make_workload, name):
     model = models[name]
     prompts, hits, recipes = [], [], []
@@ -62,7 +62,7 @@ def test_a_batch_answers_as_each_request_alone(models, make_workload, name):
 
 
 def test_a_batch_refuses_rows_of_different_spans(models, make_workload):
-    model = models["tiny-qwen3-next"]
+    model = models["random-qwen3-next"]
     cached_tokens, prompt = make_workload(50, 80, 100, seed=1)
     store = PrefixCache()
     store.add(capture_prompt(model, cached_tokens))

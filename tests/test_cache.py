@@ -19,10 +19,10 @@ from hybridkv.cache import (
     read_linear_states,
 )
 from hybridkv.methods import Budget
-from hybridkv.models import TINY_MODELS
+from hybridkv.models import RANDOM_MODELS
 from tests.helpers import lcp
 
-NAMES = list(TINY_MODELS)
+NAMES = list(RANDOM_MODELS)
 
 # ---------------------------------------------------------------------------------------------
 # PrefixIndex / PrefixCache: brute force is the oracle.
@@ -183,7 +183,7 @@ def test_kv_prefix_is_a_view_of_the_first_n_tokens(models, make_workload, name):
     [(50, 7), (49, 7), (48, 16), (10, 16), (16, 16), (12, 1), (33, 32)],
 )
 def test_capture_checkpoint_positions(models, make_workload, length, interval):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     tokens, _ = make_workload(matched=0, prompt_len=1, cached_len=length, seed=2)
     cached = capture_prompt(model, tokens, checkpoint_interval=interval)
     expected = {k * interval for k in range(1, length // interval + 1)}
@@ -197,7 +197,7 @@ def test_capture_checkpoint_positions(models, make_workload, length, interval):
 
 
 def test_capture_without_interval_keeps_no_state(models, make_workload):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     tokens, _ = make_workload(matched=0, prompt_len=1, cached_len=40, seed=3)
     cached = capture_prompt(model, tokens)
     assert cached.checkpoints == {} and cached.state_bytes() == 0
@@ -207,7 +207,7 @@ def test_capture_without_interval_keeps_no_state(models, make_workload):
 
 
 def test_last_checkpoint_at_or_before(models, make_workload):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     tokens, _ = make_workload(matched=0, prompt_len=1, cached_len=50, seed=4)
     cached = capture_prompt(model, tokens, checkpoint_interval=16)
     for position in range(0, 60):
@@ -250,7 +250,7 @@ def test_checkpoints_equal_single_pass_prefill_states(models, make_workload, nam
 
 
 def test_checkpoints_are_snapshots_not_live_references(models, make_workload):
-    model = models["tiny-qwen3-next"]
+    model = models["random-qwen3-next"]
     tokens, _ = make_workload(matched=0, prompt_len=1, cached_len=96, seed=6)
     cached = capture_prompt(model, tokens, checkpoint_interval=32)
     first, last = cached.checkpoints[32], cached.checkpoints[96]

@@ -115,7 +115,7 @@ def test_the_runner_builds_one_cache_per_chunk_tokenised_alone(models, tmp_path,
     monkeypatch.setattr(arena, "get_arena_method", lambda name, budget: recorder)
     tokenizer = ByteTokenizer()
     (sample,) = rag.generate("rag", 2048, 1, tokenizer)
-    run_arena(models["tiny-olmo-hybrid"], tokenizer, [sample], ArenaPlan("rag", ["recorder"]), ArenaConfig(),
+    run_arena(models["random-olmo-hybrid"], tokenizer, [sample], ArenaPlan("rag", ["recorder"]), ArenaConfig(),
               tmp_path, rag.score, False)  # fmt: skip
     assert recorder.built == [tokenizer.encode(chunk) for chunk in sample.chunks]
     assert recorder.given == [list(range(len(sample.chunks)))]
@@ -126,7 +126,7 @@ def test_the_runner_builds_one_cache_per_chunk_tokenised_alone(models, tmp_path,
 def test_prefix_methods_reuse_only_the_first_chunk_and_replaying_it_all_equals_full_prefill(
     models, tmp_path, monkeypatch
 ):
-    model, tokenizer = models["tiny-glm5-next"], ByteTokenizer()
+    model, tokenizer = models["random-glm5-next"], ByteTokenizer()
     answers = record_answers(monkeypatch)
     data = rag.generate("rag", 2048, 2, tokenizer)
     plan = ArenaPlan("rag", ["full", "zero-state", "tail-replay"], [Budget(fraction=1.0)])

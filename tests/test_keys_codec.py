@@ -378,7 +378,7 @@ def test_salts_are_not_ambiguous():
 # ---------------------------------------------------------------------------------------------
 # Keys across processes and loads.
 
-KEY_MODELS = ["tiny-qwen3-next", "tiny-olmo-hybrid", "tiny-glm5-next"]
+KEY_MODELS = ["random-qwen3-next", "random-olmo-hybrid", "random-glm5-next"]
 KEY_TOKENS = [(37 * i + 11) % 509 for i in range(150)]
 
 _KEYS_SCRIPT = """
@@ -442,7 +442,7 @@ def test_keys_are_the_same_in_fresh_processes_with_other_hash_seeds(models):
         assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, f"PYTHONHASHSEED={hash_seed}"
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-glm5-next"])
+@pytest.mark.parametrize("name", ["random-qwen3-next", "random-glm5-next"])
 def test_model_fingerprint_tracks_the_weights(models, name):
     base = model_fingerprint(models[name])
     assert len(base) == 64 and all(c in HEX for c in base)

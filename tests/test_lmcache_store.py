@@ -115,7 +115,7 @@ def test_two_processes_share_entries(lmcache_urls, inner):
 
 @pytest.mark.parametrize("inner", ["cpu", "fs", "valkey"])
 def test_stored_prefix_hit_through_lmcache_equals_the_in_memory_hit(models, make_workload, lmcache_urls, inner):
-    model = models["tiny-olmo-hybrid"]
+    model = models["random-olmo-hybrid"]
     cached_tokens, prompt = make_workload(matched=150, prompt_len=170, cached_len=190, seed=7)
     cached = capture_prompt(model, cached_tokens, checkpoint_interval=64)
     memory = PrefixCache()
@@ -140,7 +140,7 @@ def test_stored_prefix_hit_through_lmcache_equals_the_in_memory_hit(models, make
 def test_killed_lmcache_server_degrades_to_recomputation(models, make_workload):
     """LMCache's lm:// server dies after the prompt was cached: no exception, a miss, correct outputs."""
     server = LMCacheServer()
-    model = models["tiny-qwen3-next"]
+    model = models["random-qwen3-next"]
     cached_tokens, prompt = make_workload(matched=100, prompt_len=120, cached_len=130, seed=3)
     cached = capture_prompt(model, cached_tokens)
     store = GuardedStore(open_store(server.url), retry_after_s=0.0)

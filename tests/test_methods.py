@@ -15,12 +15,12 @@ import torch
 from hybridkv import HybridKVError
 from hybridkv.cache import CachedPrompt, Hit, PrefixCache, capture_prompt
 from hybridkv.methods import METHODS, Budget, Recipe, execute, get_method
-from hybridkv.models import TINY_MODELS
+from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
 
-NAMES = list(TINY_MODELS)
+NAMES = list(RANDOM_MODELS)
 # Architectures whose linear layers are delta-rule (GDN / KDA): slow-forgetting states.
-DELTA_RULE = ["tiny-glm5-next", "tiny-qwen3-next", "tiny-kimi-linear", "tiny-olmo-hybrid"]
+DELTA_RULE = ["random-glm5-next", "random-qwen3-next", "random-kimi-linear", "random-olmo-hybrid"]
 
 INTERVAL = 32  # checkpoint interval B
 PROMPT_LEN = 192
@@ -211,7 +211,7 @@ def test_short_tail_replay_is_detectably_inexact_on_delta_rule_models(scenario, 
 BUDGETS = [Budget(fraction=0.0), Budget(fraction=0.05), Budget(fraction=0.3), Budget(fraction=1.0), Budget(tokens=20)]
 
 
-@pytest.mark.parametrize("name", ["tiny-glm5-next", "tiny-nemotron-h"])
+@pytest.mark.parametrize("name", ["random-glm5-next", "random-nemotron-h"])
 @pytest.mark.parametrize("matched", [128, 140])
 def test_token_counts(scenario, name, matched):
     s = scenario(name, matched)
@@ -278,7 +278,7 @@ def test_decoding_from_an_exact_outcome_matches_full_prefill(scenario, name):
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0, msg=method_name)
 
 
-@pytest.mark.parametrize("name", ["tiny-glm5-next", "tiny-qwen3-next", "tiny-nemotron-h"])
+@pytest.mark.parametrize("name", ["random-glm5-next", "random-qwen3-next", "random-nemotron-h"])
 def test_execute_leaves_the_cached_prompt_untouched(scenario, name):
     s = scenario(name, 140)
     kv_before = {i: {k: v.clone() for k, v in t.items()} for i, t in s.cached.attention.items()}
@@ -334,7 +334,7 @@ def test_exact_kv_replay_keeps_the_cached_kv_and_leaves_a_plain_cache(scenario, 
 
 
 def test_hit_not_shorter_than_prompt_is_refused(models, make_workload):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     tokens, _ = make_workload(0, 1, 40, seed=1)
     cached = capture_prompt(model, tokens)
     for length in (40, 41):
@@ -347,7 +347,7 @@ def test_hit_not_shorter_than_prompt_is_refused(models, make_workload):
 
 
 def test_hit_with_other_tokens_is_refused(models, make_workload):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     cached_tokens, prompt = make_workload(20, 40, 40, seed=2)
     cached = capture_prompt(model, cached_tokens)
     with pytest.raises(HybridKVError, match="mismatch"):
@@ -375,7 +375,7 @@ def test_recipe_validation():
 
 
 def test_recipe_beyond_the_match_is_refused(models, make_workload):
-    model = models["tiny-nemotron-h"]
+    model = models["random-nemotron-h"]
     cached_tokens, prompt = make_workload(20, 40, 40, seed=3)
     cached = capture_prompt(model, cached_tokens, checkpoint_interval=8)
     with pytest.raises(ValueError):

@@ -10,10 +10,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hybridkv import HybridKVError
-from hybridkv.models import TINY_MODELS, load_model
+from hybridkv.models import RANDOM_MODELS, load_model
 from hybridkv.models.tiny import TINY_VOCAB
 
-NAMES = list(TINY_MODELS)
+NAMES = list(RANDOM_MODELS)
 
 # What each architecture's config calls a layer -> the kind hybridkv should report.
 PATTERN_KINDS = {
@@ -157,14 +157,14 @@ def test_broken_config_raises_hybridkv_error(tmp_path, config_text):
 
 
 def test_config_without_weights_raises_hybridkv_error(tmp_path):
-    TINY_MODELS["tiny-qwen3-next"]().save_pretrained(tmp_path)
+    RANDOM_MODELS["random-qwen3-next"]().save_pretrained(tmp_path)
     with pytest.raises(HybridKVError):
         load_model(str(tmp_path))
 
 
 def test_bare_glm5_text_checkpoint_is_refused(tmp_path):
-    TINY_MODELS["tiny-glm5-next"]().save_pretrained(tmp_path)
-    with pytest.raises(HybridKVError, match="glm5_next_text"):
+    RANDOM_MODELS["random-glm5-next"]().save_pretrained(tmp_path)
+    with pytest.raises(HybridKVError, match="glm5_next_text checkpoint needs model.safetensors"):
         load_model(str(tmp_path))
 
 
@@ -194,7 +194,7 @@ def test_sharded_qwen3_next_checkpoint_matches_in_memory_model(tmp_path):
     from transformers import Qwen3NextForCausalLM
 
     torch.manual_seed(7)
-    reference = Qwen3NextForCausalLM(TINY_MODELS["tiny-qwen3-next"]()).eval()
+    reference = Qwen3NextForCausalLM(RANDOM_MODELS["random-qwen3-next"]()).eval()
     reference.save_pretrained(tmp_path, max_shard_size="1MB")
     shards = list(tmp_path.glob("*.safetensors"))
     assert len(shards) > 1, "the checkpoint should be sharded"
@@ -208,7 +208,7 @@ def test_sharded_qwen3_next_checkpoint_matches_in_memory_model(tmp_path):
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     # and it is not simply the seed-0 built-in model
-    builtin = load_model("tiny-qwen3-next")
+    builtin = load_model("random-qwen3-next")
     assert not torch.allclose(_hybrid_logits(builtin, tokens), expected, atol=1e-3)
 
 
@@ -216,7 +216,7 @@ def test_glm5_multimodal_checkpoint_loads_text_decoder(tmp_path):
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-    text_config = TINY_MODELS["tiny-glm5-next"]().to_dict()
+    text_config = RANDOM_MODELS["random-glm5-next"]().to_dict()
     vision_config = {
         "depth": 1,
         "hidden_size": 32,
@@ -247,7 +247,7 @@ def test_glm5_multimodal_checkpoint_loads_text_decoder(tmp_path):
 
 
 def test_logits_to_keep_returns_the_last_positions(models):
-    model = models["tiny-olmo-hybrid"]
+    model = models["random-olmo-hybrid"]
     tokens = _tokens(30, seed=9)
     all_logits = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=30)
     last = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=4)
@@ -259,7 +259,7 @@ def test_logits_to_keep_returns_the_last_positions(models):
 def test_glm5_sparse_attention_is_chunk_invariant_only_up_to_index_topk(models):
     """transformers' DSA indexer picks top-k key pools; beyond index_topk the pick can change
     when the prompt is split into prefix + suffix passes, so glm5 exactness tests stay ≤ 256."""
-    model = models["tiny-glm5-next"]
+    model = models["random-glm5-next"]
     topk = model.config.index_topk
     assert topk == 256
 
@@ -287,7 +287,7 @@ def test_glm5_cache_size_formulas_match_the_probed_tiny_model(models):
     """The config-only arithmetic used for GLM-5.3-Flash's sizes must agree with what the model caches."""
     from hybridkv.models.glm5 import Glm5CacheSizes
 
-    model = models["tiny-glm5-next"]
+    model = models["random-glm5-next"]
     sizes = Glm5CacheSizes.from_config(model.config, dtype_bytes=4, state_dtype_bytes=4)  # tiny runs in float32
     description = model.description
     assert sizes.linear_layers == len(description.linear_layers)

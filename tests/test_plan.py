@@ -18,7 +18,7 @@ def test_attended_tokens_closed_form_equals_the_sum(cap):
         assert _attended(start, end, cap) == brute
 
 
-@pytest.mark.parametrize("model", ["glm-5.3-flash", "tiny-glm5-next", "tiny-qwen3-next"])
+@pytest.mark.parametrize("model", ["glm-5.3-flash", "random-glm5-next", "random-qwen3-next"])
 def test_prefill_cost_splits_at_any_position(model):
     costs = cost_model(load_config(model))
     for split in (1, 777, 2048, 5000):
@@ -65,7 +65,7 @@ def test_predicted_speedups_order_as_the_recomputed_tokens():
 
 
 def test_qwen3_next_cache_sizes_match_the_probed_tiny_model(models):
-    model = models["tiny-qwen3-next"]
+    model = models["random-qwen3-next"]
     kv, state, linear, attention = cache_sizes(model.config, dtype_bytes=4, state_dtype_bytes=4)  # float32 tiny
     assert (linear, attention) == (len(model.description.linear_layers), len(model.description.attention_layers))
     assert kv == model.description.kv_bytes_per_token
@@ -77,7 +77,7 @@ def test_plan_cli_json_and_errors(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert {"model", "kv_bytes_per_token", "state_bytes_per_checkpoint", "linear_layers", "attention_layers",
             "schemes", "predictions"} <= set(out)  # fmt: skip
-    assert main(["plan", "--model", "tiny-olmo-hybrid"]) == 2
+    assert main(["plan", "--model", "random-olmo-hybrid"]) == 2
     assert "no cache-size formulas" in capsys.readouterr().err
     assert main(["plan", "--budgets", "7"]) == 2
     (tmp_path / "config.json").write_text("{not json")
@@ -85,7 +85,7 @@ def test_plan_cli_json_and_errors(capsys, tmp_path):
     assert "cannot read its config" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny-glm5-next", "tiny-qwen3-next"])
+@pytest.mark.parametrize("name", ["random-glm5-next", "random-qwen3-next"])
 def test_weights_read_by_a_large_call_are_the_models_own_parameters(models, name):
     """Every expert touched: the cost model's weight bytes equal the loaded model's matrices."""
     model = models[name]

@@ -386,13 +386,13 @@ def assert_same_hit(model, stored: Hit, expected: Hit, prompt: torch.Tensor) -> 
             assert torch.equal(state.recurrent, truth[layer].recurrent)
 
 
-# tiny-qwen3-next on every backend; the other architectures (glm5's DSA indexer keys and empty
+# random-qwen3-next on every backend; the other architectures (glm5's DSA indexer keys and empty
 # MLA values, olmo's layout) on one backend each.
-EQUIVALENCE_CASES = [("tiny-qwen3-next", backend) for backend in BACKENDS] + [
-    ("tiny-glm5-next", "redis"),
-    ("tiny-glm5-next", "file"),
-    ("tiny-olmo-hybrid", "valkey"),
-    ("tiny-olmo-hybrid", "memory"),
+EQUIVALENCE_CASES = [("random-qwen3-next", backend) for backend in BACKENDS] + [
+    ("random-glm5-next", "redis"),
+    ("random-glm5-next", "file"),
+    ("random-olmo-hybrid", "valkey"),
+    ("random-olmo-hybrid", "memory"),
 ]
 
 
@@ -453,7 +453,7 @@ DIVERGENCE = [1, 2, 10, 63, 64, 65, 100, 127, 128, 129, 150, 191, 192, 199]
 
 
 def test_token_level_match_on_every_backend(reference, store_url):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     stored = stored_cache(ref.model, store_url)
     stored.add(ref.cached)
     oracle = PrefixCache()
@@ -476,7 +476,7 @@ def test_token_level_match_on_every_backend(reference, store_url):
 
 @pytest.fixture(scope="module")
 def memory_stored(reference):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     stored = stored_cache(ref.model, "memory://")
     stored.add(ref.cached)
     oracle = PrefixCache()
@@ -507,7 +507,7 @@ def test_token_level_match_is_the_longest_common_prefix(memory_stored, length, e
 
 @pytest.mark.parametrize("chunk_tokens", [16, 48, 100])
 def test_other_chunk_sizes_give_the_same_hit(reference, chunk_tokens):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     stored = stored_cache(ref.model, "memory://", chunk_tokens=chunk_tokens)
     assert stored.add(ref.cached) == -(-CACHED_LEN // chunk_tokens) + len(ref.cached.checkpoints)
     assert_same_hit(ref.model, stored.lookup(ref.prompt), ref.hit, ref.prompt)
@@ -518,7 +518,7 @@ def test_two_prompts_sharing_a_chunk_slot_never_give_a_wrong_hit(reference, make
 
     A prompt following C1 then gets a shorter hit (up to where C2's chunk differs), with exact
     KV, never C2's tokens past the divergence."""
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     model = ref.model
     c1 = ref.cached_tokens
     c2 = _diverging(c1, CHUNK + 10, CACHED_LEN, seed=99)
@@ -544,7 +544,7 @@ def test_two_prompts_sharing_a_chunk_slot_never_give_a_wrong_hit(reference, make
 
 
 def test_salts_isolate_tenants(reference, store_url):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     store = open_store(store_url)
     tenant_a = stored_cache(ref.model, store, salt="a")
     tenant_b = stored_cache(ref.model, store, salt="b")
@@ -559,8 +559,8 @@ def test_salts_isolate_tenants(reference, store_url):
 
 
 def test_another_model_never_hits(reference, store_url):
-    ref = reference("tiny-qwen3-next")
-    other = load_model("tiny-qwen3-next", seed=1)
+    ref = reference("random-qwen3-next")
+    other = load_model("random-qwen3-next", seed=1)
     store = open_store(store_url)
     ours = stored_cache(ref.model, store)
     theirs = stored_cache(other, store)
@@ -598,7 +598,7 @@ print(json.dumps(out))
 
 
 def test_two_processes_share_one_cache(reference, redis_server, tmp_path):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     urls = [f"redis://127.0.0.1:{redis_server.port}/3", f"file://{tmp_path / 'shared'}"]
     _wipe(urls[0])
     try:
@@ -608,7 +608,7 @@ def test_two_processes_share_one_cache(reference, redis_server, tmp_path):
                 sys.executable,
                 "-c",
                 _WRITER,
-                json.dumps(["tiny-qwen3-next", ref.cached_tokens.tolist(), urls, INTERVAL]),
+                json.dumps(["random-qwen3-next", ref.cached_tokens.tolist(), urls, INTERVAL]),
             ],
             capture_output=True,
             text=True,
@@ -641,7 +641,7 @@ def test_two_processes_share_one_cache(reference, redis_server, tmp_path):
 
 @pytest.mark.parametrize("backend", ["file", "redis", "valkey"])
 def test_cli_store_stats_and_clear(reference, redis_server, tmp_path, capsys, backend):
-    ref = reference("tiny-qwen3-next")
+    ref = reference("random-qwen3-next")
     url = {
         "file": f"file://{tmp_path / 'cli'}",
         "redis": f"redis://127.0.0.1:{redis_server.port}/4",

@@ -27,7 +27,7 @@ from hybridkv.models import load_model
 from hybridkv.store import GuardedStore, open_store
 from hybridkv.store.redis_store import NAMESPACE, RedisStore
 
-MODEL = "tiny-qwen3-next"
+MODEL = "random-qwen3-next"
 CHUNK = 64
 INTERVAL = 64
 CACHED_LEN = 200

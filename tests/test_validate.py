@@ -35,7 +35,7 @@ def validate_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("validate")
     argv = [
         "validate",
-        "--model", "tiny-qwen3-next",
+        "--model", "random-qwen3-next",
         "--prefix-lengths", "100,150",
         "--suffix-length", "16",
         "--budgets", "0.1,1.0",
@@ -90,7 +90,7 @@ def test_validate_rows_obey_the_method_invariants(validate_run):
 
 
 def test_validate_prints_a_table(tmp_path, capsys):
-    argv = ["validate", "--model", "tiny-olmo-hybrid", "--prefix-lengths", "40", "--suffix-length", "8",
+    argv = ["validate", "--model", "random-olmo-hybrid", "--prefix-lengths", "40", "--suffix-length", "8",
             "--methods", "full,tail-replay", "--budgets", "0.5", "--checkpoint-interval", "0", "--repeats", "1",
             "--greedy-tokens", "2", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
@@ -112,7 +112,7 @@ def test_validate_prints_a_table(tmp_path, capsys):
     ],
 )
 def test_bad_input_gives_one_line_error(args, expected, tmp_path, capsys):
-    argv = ["validate", "--model", "tiny-olmo-hybrid", "--no-progress", "--out", str(tmp_path), *args]
+    argv = ["validate", "--model", "random-olmo-hybrid", "--no-progress", "--out", str(tmp_path), *args]
     if "--model" in args:
         argv = ["validate", "--no-progress", "--out", str(tmp_path), *args]
     assert main(argv) == 2

@@ -99,10 +99,14 @@ class StoredPrefixCache:
             layers = {
                 layer: {name: entry.tensors[f"{layer}.{name}"] for name in dims} for layer, dims in self._dims.items()
             }
-            consistent = entry.meta.get("start") == start and isinstance(tokens, list) and all(
-                layers[layer][name].shape[dim] == len(tokens)
-                for layer, dims in self._dims.items()
-                for name, dim in dims.items()
+            consistent = (
+                entry.meta.get("start") == start
+                and isinstance(tokens, list)
+                and all(
+                    layers[layer][name].shape[dim] == len(tokens)
+                    for layer, dims in self._dims.items()
+                    for name, dim in dims.items()
+                )
             )
             consistent = consistent and (
                 decay is None

@@ -2,6 +2,15 @@
 
 from hybridkv.models.describe import LayerSpec, ModelDescription
 from hybridkv.models.loader import HybridModel, load_model
-from hybridkv.models.tiny import DEFAULT_MODEL, TINY_MODELS
+from hybridkv.models.tiny import BUILTIN_MODELS, DEFAULT_MODEL, RANDOM_MODELS, TRAINED_MODELS
 
-__all__ = ["DEFAULT_MODEL", "TINY_MODELS", "HybridModel", "LayerSpec", "ModelDescription", "load_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_MODEL",
+    "RANDOM_MODELS",
+    "TRAINED_MODELS",
+    "HybridModel",
+    "LayerSpec",
+    "ModelDescription",
+    "load_model",
+]

@@ -24,7 +24,7 @@ from hybridkv.models.describe import (
     count_parameters,
     describe_cache_layers,
 )
-from hybridkv.models.tiny import TINY_MODELS
+from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
 
 # GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`.
 GLM5_MULTIMODAL = "glm5_next"
@@ -83,18 +83,52 @@ class HybridModel:
         return self.lm_head(hidden[:, -logits_to_keep:]).float()
 
 
-def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
-    config = TINY_MODELS[name]()
-    torch.manual_seed(seed)
+def _from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
+    """The library's model for `config`, initialised by the library under the current torch seed."""
     if config.model_type == GLM5_TEXT:
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 
         backbone = Glm5NextTextModel(config)
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         backbone._init_weights(lm_head)  # the library's own initialisation for the head too
-        return config, backbone, lm_head
+        return backbone, lm_head
     model = AutoModelForCausalLM.from_config(config)
-    return config, model.get_decoder(), model.get_output_embeddings()
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    config = RANDOM_MODELS[name]()
+    torch.manual_seed(seed)
+    return config, *_from_config(config)
+
+
+def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    """hybridkv's own layout (what `hybridkv train` writes): a transformers config.json and one
+    model.safetensors holding the backbone under `model.` and the LM head under `lm_head.`. It is
+    how a bare `glm5_next_text` decoder is saved, since transformers has no causal-LM class for it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise HybridKVError(
+            f"{label}: a glm5_next_text checkpoint needs model.safetensors with model.* and lm_head.* tensors "
+            "(the layout `hybridkv train` writes), or save the multimodal Glm5NextForConditionalGeneration layout"
+        )
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        tensors = load_file(weights)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise HybridKVError(f"{label}: unreadable weights in {directory} ({err})") from err
+    backbone, lm_head = _from_config(config)
+    for prefix, module in (("model.", backbone), ("lm_head.", lm_head)):
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        try:
+            module.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            first = str(err).strip().splitlines()[0]
+            raise HybridKVError(f"{label}: its weights do not match its config ({first})") from err
+    return config, backbone, lm_head
 
 
 def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
@@ -117,10 +151,7 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
             text = full.model.language_model
             return text.config, text, full.lm_head
         if model_type == GLM5_TEXT:
-            raise HybridKVError(
-                f"{path}: a bare glm5_next_text checkpoint has no LM head class in transformers; "
-                "save the multimodal Glm5NextForConditionalGeneration layout instead"
-            )
+            return _with_head(path, str(path))
         AutoConfig.from_pretrained(path)  # fails early and clearly on an unknown model_type
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except HybridKVError:
@@ -151,16 +182,19 @@ def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head:
 
 
 def load_model(name_or_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> HybridModel:
-    """Load a built-in tiny model by name, or a transformers checkpoint directory."""
+    """Load a built-in model by name (trained `tiny-*`, or seeded `random-*`), or a checkpoint directory."""
     hf_logging.set_verbosity_error()  # kernel-fallback notices are expected on a CPU
     warnings.filterwarnings("ignore", module="transformers")
-    if name_or_dir in TINY_MODELS:
+    if name_or_dir in TRAINED_MODELS:
+        config, backbone, lm_head = _with_head(TRAINED_MODELS[name_or_dir], name_or_dir)
+        backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)
+    elif name_or_dir in RANDOM_MODELS:
         config, backbone, lm_head = _seeded_tiny(name_or_dir, seed)
         backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)
     elif Path(name_or_dir).is_dir():
         config, backbone, lm_head = _from_directory(Path(name_or_dir), dtype)
     else:
-        known = ", ".join(TINY_MODELS)
+        known = ", ".join(BUILTIN_MODELS)
         raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {known}")
     backbone.eval()
     lm_head.eval()

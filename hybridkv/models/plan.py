@@ -55,10 +55,12 @@ def load_config(model: str):
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
         return Glm5NextTextConfig()
-    from hybridkv.models.tiny import TINY_MODELS
+    from hybridkv.models.tiny import RANDOM_MODELS, TRAINED_MODELS
 
-    if model in TINY_MODELS:
-        return TINY_MODELS[model]()
+    if model in RANDOM_MODELS:
+        return RANDOM_MODELS[model]()
+    if model in TRAINED_MODELS:
+        model = str(TRAINED_MODELS[model])
     if Path(model).is_dir():
         from transformers import AutoConfig
 

@@ -1,15 +1,20 @@
 """Built-in tiny hybrid models: real architectures from transformers, scaled down.
 
-Each entry is a transformers config with the same layer pattern and mechanisms as the real
-model (layer kinds, NoPE/RoPE, MoE, hyper-connections, DSA indexer) but a few million
-parameters and a 512-token vocabulary, so every test and the default `validate` run on a CPU.
-Weights come from the model library's own initialisation under a fixed seed, which makes them
-identical on every machine for the same seed and torch version.
+Two kinds, both with a 512-token byte vocabulary (`hybridkv.models.tokenizer.ByteTokenizer`):
+
+- `tiny-*` (TRAINED_MODELS): weights trained by `hybridkv train` and shipped in the package
+  (`weights/<name>/`: a transformers config.json and model.safetensors). They read their
+  context, so task scores, retention and PGR mean something. The default model is one of them.
+- `random-*` (RANDOM_MODELS): a transformers config with the same layer pattern and mechanisms
+  as the real model (layer kinds, NoPE/RoPE, MoE, hyper-connections, DSA indexer), a few million
+  parameters, weights from the model library's own initialisation under a fixed seed, identical
+  on every machine for the same seed and torch version. The invariant tests run on these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from transformers import PreTrainedConfig
 
@@ -140,11 +145,17 @@ def _nemotron_h() -> PreTrainedConfig:
     )
 
 
-TINY_MODELS: dict[str, Callable[[], PreTrainedConfig]] = {
-    "tiny-glm5-next": _glm5_next,
-    "tiny-qwen3-next": _qwen3_next,
-    "tiny-kimi-linear": _kimi_linear,
-    "tiny-olmo-hybrid": _olmo_hybrid,
-    "tiny-nemotron-h": _nemotron_h,
+RANDOM_MODELS: dict[str, Callable[[], PreTrainedConfig]] = {
+    "random-glm5-next": _glm5_next,
+    "random-qwen3-next": _qwen3_next,
+    "random-kimi-linear": _kimi_linear,
+    "random-olmo-hybrid": _olmo_hybrid,
+    "random-nemotron-h": _nemotron_h,
 }
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+# Trained models shipped with the package: name -> directory with config.json and model.safetensors.
+TRAINED_MODELS: dict[str, Path] = {
+    path.name: path for path in sorted(WEIGHTS_DIR.glob("tiny-*")) if (path / "model.safetensors").is_file()
+}
+BUILTIN_MODELS = (*TRAINED_MODELS, *RANDOM_MODELS)
 DEFAULT_MODEL = "tiny-glm5-next"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.tiny import TINY_MODELS, TINY_VOCAB
+from hybridkv.models.tiny import BUILTIN_MODELS, TINY_VOCAB
 
 
 class Tokenizer(Protocol):
@@ -64,9 +64,9 @@ class HFTokenizer:
 
 
 def load_tokenizer(name_or_dir: str) -> Tokenizer:
-    if name_or_dir in TINY_MODELS:
-        return ByteTokenizer(TINY_MODELS[name_or_dir]().vocab_size)
+    if name_or_dir in BUILTIN_MODELS:
+        return ByteTokenizer(TINY_VOCAB)
     path = Path(name_or_dir)
     if path.is_dir():
         return HFTokenizer(path)
-    raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {', '.join(TINY_MODELS)}")
+    raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {', '.join(BUILTIN_MODELS)}")

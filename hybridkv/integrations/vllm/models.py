@@ -1,7 +1,7 @@
 """A tiny random-weight Qwen3-Next checkpoint that vLLM's CPU build can serve.
 
 vLLM's CPU Gated-DeltaNet kernel needs bfloat16 and a linear head size it has kernels for (128),
-so this differs from hybridkv's own `tiny-qwen3-next` in those two respects only.
+so this differs from hybridkv's own `random-qwen3-next` in those two respects only.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ def write_tiny_qwen3_next(path: str | Path, seed: int = 0) -> Path:
     """Save a seeded tiny Qwen3-Next (3 GDN : 1 attention, 8 layers, ~11M parameters) to `path`."""
     from transformers import AutoModelForCausalLM
 
-    from hybridkv.models.tiny import TINY_MODELS
+    from hybridkv.models.tiny import RANDOM_MODELS
 
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    config = TINY_MODELS["tiny-qwen3-next"]()
+    config = RANDOM_MODELS["random-qwen3-next"]()
     config.architectures = ["Qwen3NextForCausalLM"]
     config.linear_key_head_dim = config.linear_value_head_dim = 128
     config.linear_num_key_heads, config.linear_num_value_heads = 2, 4

@@ -1,0 +1,1 @@
+"""Training the built-in tiny models: offline data, training-only kernels, the resumable loop."""

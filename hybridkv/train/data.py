@@ -1,0 +1,374 @@
+"""Training data for the built-in tiny models, generated offline from text every Python install has.
+
+Natural text: the Python reference topics that ship with the interpreter (`pydoc_data.topics`)
+and the docstrings and source lines of the standard library. Long-context tasks are written in
+the shapes the arena measures (needle retrieval with one or several keys, values and queries;
+variable tracking; passages followed by a question), but by this module's own generators, over
+its own haystacks and its own key and value vocabularies:
+
+- keys are words taken from the standard library's docstrings, never a word of the arena's
+  RULER lists (`hybridkv.eval.workloads.ruler`), so no arena needle can occur in training;
+- the essay haystack is reference prose, not the arena's pseudo-essay; the noise haystack repeats
+  sentences of this module's own, not RULER's "The grass is green..." lines;
+- every example is drawn from a generator seeded by (seed, stream, step, index), so a run is
+  reproducible and resumes at any step without replaying the data before it.
+
+`tests/test_train.py` checks that no arena sample's needle, key or answer occurs in the stream.
+
+Every example is exactly `length` byte tokens. Its `answer` span marks the tokens after the
+question that the model must produce (answer, newline, end of sequence); the trainer weighs them
+separately from the language-model loss on the rest.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import random
+import re
+import sysconfig
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv.models.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+EOS = 2
+
+
+@dataclass(frozen=True)
+class Example:
+    tokens: list[int]  # exactly the requested length
+    answer: tuple[int, int]  # [start, end) token positions the model must predict after the question
+    task: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Text found on the machine
+
+
+def _ascii(text: str) -> str:
+    return text.encode("ascii", errors="ignore").decode()
+
+
+@functools.cache
+def prose() -> str:
+    """Reference prose: pydoc topics, then stdlib docstrings, paragraphs separated by blank lines."""
+    from pydoc_data.topics import topics
+
+    parts = [topics[name] for name in sorted(topics)]
+    for path in _stdlib_files():
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="ignore"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 200:
+                    parts.append(doc)
+    return _ascii("\n\n".join(parts))
+
+
+@functools.cache
+def code() -> str:
+    return _ascii("\n\n".join(path.read_text(encoding="utf-8", errors="ignore") for path in _stdlib_files()[:400]))
+
+
+@functools.cache
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
+    return files
+
+
+@functools.cache
+def key_words() -> tuple[str, ...]:
+    """Words for needle keys and values: from the prose, minus every word of the arena's lists."""
+    from hybridkv.eval.workloads import ruler
+
+    arena = set().union(ruler.ADJECTIVES, ruler.NOUNS, ruler.VERBS, ruler.ADVERBS, ruler.PREPOSITIONS)
+    counts = Counter(re.findall(r"\b[a-z]{4,10}\b", prose()))
+    return tuple(sorted({word for word, n in counts.items() if n >= 3} - arena))
+
+
+# Sentences for the repeated-noise haystack: this module's own, five per sample.
+NOISE_SENTENCES = (
+    "The road is long.",
+    "The lamp is lit.",
+    "The bread is warm.",
+    "The river runs east.",
+    "The door is shut.",
+    "The field is wide.",
+    "The stone is cold.",
+    "Birds sing at dawn.",
+    "We walk on.",
+    "Time moves slowly.",
+    "The tea is hot.",
+    "Rain falls softly.",
+    "The wall is tall.",
+    "Over hill and dale.",
+    "Onward we go.",
+    "The bell rings twice.",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+
+
+def _haystack(kind: str, size: int, rng: random.Random) -> list[str]:
+    """Units (sentences or lines) of about `size` characters in all; joined with spaces or newlines."""
+    if size <= 0:
+        return []
+    if kind == "noise":
+        line = " ".join(rng.sample(NOISE_SENTENCES, 5))
+        return [line] * (size // (len(line) + 1) + 1)
+    source = prose() if kind == "prose" else code()
+    start = rng.randrange(0, len(source) - size - 1)
+    text = re.sub(r"\s+", " ", source[start : start + size + 200]) if kind == "prose" else source[start:]
+    units = re.split(r"(?<=[.!?]) ", text) if kind == "prose" else text.split("\n")
+    out, total = [], 0
+    for unit in units:
+        if total >= size:
+            break
+        out.append(unit)
+        total += len(unit) + 1
+    return out
+
+
+def _fill(units: list[str], sep: str, size: int) -> str:
+    text = sep.join(units)
+    return text[:size] if len(text) >= size else text + " " * (size - len(text))
+
+
+def _word(rng: random.Random) -> str:
+    return rng.choice(key_words())
+
+
+def _value(kind: str, rng: random.Random) -> str:
+    if kind == "numbers":
+        digits = rng.choice((7, 7, 7, 6, 8, 5, 9))
+        return str(rng.randrange(10 ** (digits - 1), 10**digits))
+    if kind == "words":
+        return f"{_word(rng)}-{_word(rng)}"
+    hexdigits = f"{rng.getrandbits(128):032x}"
+    hexdigits = hexdigits[:12] + "4" + hexdigits[13:16] + rng.choice("89ab") + hexdigits[17:]
+    return "-".join((hexdigits[:8], hexdigits[8:12], hexdigits[12:16], hexdigits[16:20], hexdigits[20:]))
+
+
+def _key(kind: str, rng: random.Random) -> str:
+    return _value("uuids", rng) if kind == "uuids" else f"{_word(rng)}-{_word(rng)}"
+
+
+def _distinct(draw: Callable[[], str], taken: set[str]) -> str:
+    while True:
+        item = draw()
+        if item not in taken and not any(item in t or t in item for t in taken):
+            taken.add(item)
+            return item
+
+
+def _listing(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
+
+
+def _assemble(
+    task: str,
+    head: str,
+    body_units: list[str],
+    inserts: list[tuple[float, str]],
+    sep: str,
+    question: str,
+    answer: str,
+    length: int,
+) -> Example | None:
+    """head + body (haystack with inserts at fractions) + question, then answer + EOS; exactly `length` tokens."""
+    fixed = len(head) + len(question) + len(answer) + 1 + sum(len(text) + len(sep) for _, text in inserts)
+    size = length - fixed
+    if size < 0:
+        return None
+    body = _fill(body_units, sep, size) if body_units else " " * size
+    # Cut at unit boundaries nearest each fraction, so inserts stand between whole units.
+    cuts = []
+    for fraction, text in sorted(inserts):
+        at = int(fraction * len(body))
+        boundary = body.rfind(". ", 0, at) + 1 if sep == " " else body.rfind(sep, 0, at)
+        cuts.append((boundary + 1 if boundary > 0 else 0, text))
+    pieces, last = [], 0
+    for at, text in cuts:
+        pieces.append(body[last:at])
+        pieces.append(text + sep)
+        last = at
+    pieces.append(body[last:])
+    prompt = head + "".join(pieces) + question
+    tokens = TOKENIZER.encode(prompt) + TOKENIZER.encode(answer) + [EOS]
+    assert len(tokens) == length, (len(tokens), length)
+    return Example(tokens, (len(prompt), length), task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+
+
+def niah(rng: random.Random, length: int) -> Example | None:
+    """Needles '<special magic value> for <key> is: <value>.' in a haystack, then a question."""
+    haystack = rng.choice(("prose", "prose", "noise", "needles", "code"))
+    type_k = rng.choice(("words", "words", "words", "uuids"))
+    type_v = rng.choice(("numbers", "numbers", "numbers", "words", "uuids"))
+    shape = rng.choice(("single", "single", "multikey", "multivalue", "multiquery"))
+    num_k, num_v, num_q = 1, 1, 1
+    if shape == "multikey":
+        num_k = rng.randint(2, 5)
+    elif shape == "multivalue":
+        num_v = rng.randint(2, 4)
+    elif shape == "multiquery":
+        num_q = rng.randint(2, 4)
+        num_k = num_q + rng.randint(0, 2)
+    taken: set[str] = set()
+    keys = [_distinct(lambda: _key(type_k, rng), taken) for _ in range(num_k)]
+    values = [[_distinct(lambda: _value(type_v, rng), taken) for _ in range(num_v)] for _ in keys]
+    asked = rng.sample(range(num_k), num_q)
+    golds = [v for i in asked for v in values[i]]
+    single = len(golds) == 1
+    noun = type_v[:-1] if single else type_v
+
+    def needle(key: str, value: str) -> str:
+        return f"One of the special magic {type_v} for {key} is: {value}."
+
+    needles = [(rng.random(), needle(k, v)) for k, vs in zip(keys, values, strict=True) for v in vs]
+    # Golds in the order their needles stand in the text: the order a reader would list them.
+    place = {text: fraction for fraction, text in needles}
+    golds.sort(key=lambda v: min(place[needle(k, v)] for k in keys if needle(k, v) in place))
+    head = (
+        f"{'A' if single else 'Some'} special magic {noun} {'is' if single else 'are'} hidden within the following "
+        f"text. Make sure to memorize it. I will quiz you about the {noun} afterwards.\n"
+    )
+    query = _listing([keys[i] for i in asked])
+    ask = "What is the" if single else "What are all the"
+    question = (
+        f"\n{ask} special magic {noun} for {query} mentioned in the provided text? The special magic {noun} "
+        f"for {query} mentioned in the provided text {'is' if single else 'are'}"
+    )
+    answer = f" {_listing(golds)}.\n"
+    sep = "\n" if haystack in ("noise", "needles", "code") else " "
+    if haystack == "needles":
+        units = []
+        while sum(len(u) + 1 for u in units) < length:
+            units.append(
+                needle(_distinct(lambda: _key(type_k, rng), taken), _distinct(lambda: _value(type_v, rng), taken))
+            )
+    else:
+        units = _haystack(haystack, length, rng)
+    return _assemble(f"niah_{shape}", head, units, needles, sep, question, answer, length)
+
+
+def variable_tracking(rng: random.Random, length: int) -> Example | None:
+    """Chains 'VAR B = VAR A' from 'VAR A = <value>' in repeated noise; name every variable of one value."""
+
+    def chains(name_len: int, hops: int, count: int, taken: set[str]) -> list[list[str]]:
+        out = []
+        for _ in range(count):
+            names = [
+                _distinct(lambda: "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=name_len)), taken)
+                for _ in range(hops + 1)
+            ]
+            out.append(names)
+        return out
+
+    def prompt_parts(names_per_chain: list[list[str]], values: list[str]):
+        inserts = []
+        for names, value in zip(names_per_chain, values, strict=True):
+            fractions = sorted(rng.random() for _ in names)
+            lines = [f"VAR {names[0]} = {value}"] + [
+                f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(len(names) - 1)
+            ]
+            inserts += list(zip(fractions, lines, strict=True))
+        return inserts
+
+    intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+
+    def question(value: str, count: int) -> str:
+        return (
+            f"\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: According "
+            f"to the chain(s) of variable assignment in the text above, {count} variables are assigned the value "
+            f"{value}, they are: "
+        )
+
+    taken: set[str] = set()
+    hops = rng.randint(1, 5)
+    count = rng.choice((1, 1, 2))
+    names = chains(5, hops, count, taken)
+    values = [_distinct(lambda: str(rng.randrange(10000, 100000)), taken) for _ in names]
+    noise = _haystack("noise", length, rng)
+    head = intro
+    if rng.random() < 0.5 and length >= 1024:
+        # An in-context example in front, as the arena's prompts have.
+        ex_names = chains(3, rng.randint(1, 4), 1, taken)
+        ex_value = _distinct(lambda: str(rng.randrange(10000, 100000)), taken)
+        ex_lines = [f"VAR {ex_names[0][0]} = {ex_value}"] + [
+            f"VAR {ex_names[0][j + 1]} = VAR {ex_names[0][j]} " for j in range(len(ex_names[0]) - 1)
+        ]
+        ex_body = "\n".join(noise[:3] + ex_lines[:1] + noise[:2] + ex_lines[1:] + noise[:2])
+        head = intro + ex_body + question(ex_value, len(ex_names[0])) + " " + " ".join(ex_names[0]) + "\n\n" + intro
+    inserts = prompt_parts(names, values)
+    answer = " ".join(names[0]) + "\n"
+    return _assemble("vt", head, noise, inserts, "\n", question(values[0], len(names[0])), answer, length)
+
+
+def passages(rng: random.Random, length: int) -> Example | None:
+    """Separately written passages, each with a title and one fact; a question about one fact."""
+    taken: set[str] = set()
+    count = rng.randint(3, 8)
+    titles = [_distinct(lambda: _word(rng).capitalize() + " " + _word(rng).capitalize(), taken) for _ in range(count)]
+    facts = [_distinct(lambda: _value(rng.choice(("numbers", "words")), rng), taken) for _ in range(count)]
+    per = max(length // count - 120, 40)
+    docs = []
+    for title, fact in zip(titles, facts, strict=True):
+        text = _fill(_haystack("prose", per, rng), " ", per)
+        cut = rng.randrange(0, max(len(text) - 1, 1))
+        cut = max(text.rfind(" ", 0, cut), 0)
+        text = text[:cut] + f" The record code of {title} is {fact}." + text[cut:]
+        docs.append(f"Document: {title}\n{text}\n\n")
+    target = rng.randrange(count)
+    question = f"Question: What is the record code of {titles[target]}? Answer: The record code of {titles[target]} is"
+    answer = f" {facts[target]}.\n"
+    head = "Read the documents below and answer the question.\n\n"
+    fixed = len(head) + len(question) + len(answer) + 1
+    body = "".join(docs)
+    if fixed + len(body) > length:
+        return None
+    body = body + " " * (length - fixed - len(body))
+    prompt = head + body + question
+    tokens = TOKENIZER.encode(prompt) + TOKENIZER.encode(answer) + [EOS]
+    return Example(tokens, (len(prompt), length), "passages")
+
+
+def natural(rng: random.Random, length: int) -> Example:
+    """A contiguous stretch of reference prose or library source: plain language modelling."""
+    source = prose() if rng.random() < 0.7 else code()
+    start = rng.randrange(0, len(source) - length)
+    tokens = TOKENIZER.encode(source[start : start + length])
+    return Example(tokens, (length, length), "natural")
+
+
+TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] = {
+    "niah": (0.45, niah),
+    "vt": (0.15, variable_tracking),
+    "passages": (0.1, passages),
+    "natural": (0.3, natural),
+}
+
+
+def example(seed: int, stream: str, step: int, index: int, length: int, tasks: dict | None = None) -> Example:
+    """Example `index` of step `step`: a pure function of its arguments."""
+    rng = random.Random(f"hybridkv-train|{seed}|{stream}|{step}|{index}")
+    table = tasks or TASKS
+    names = list(table)
+    while True:
+        name = rng.choices(names, weights=[table[n][0] for n in names])[0]
+        drawn = table[name][1](rng, length)
+        if drawn is not None:
+            return drawn

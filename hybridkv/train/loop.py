@@ -1,0 +1,329 @@
+"""`hybridkv train`: train a built-in tiny hybrid on the offline task mix, resumably.
+
+One run directory holds everything: `checkpoint/` (transformers config + safetensors weights,
+optimiser, data position and RNG states, written atomically every `save_every` steps),
+`log.jsonl` (one line per step and per evaluation) and `loss.png`. Running again with the same
+directory resumes where the last checkpoint left off; the data of step s is a pure function of
+(seed, s), so the resumed run sees exactly the examples it would have.
+
+The curriculum goes from short to long examples at a fixed number of tokens per step. The loss
+is the language-model loss over every token plus the loss over the answer tokens (so an answer
+weighs the same in a 256- and an 8K-token example), plus, for GLM-5.3-Flash, the DSA indexer's
+own loss (`hybridkv.train.indexer`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from hybridkv.errors import HybridKVError
+from hybridkv.train import data
+from hybridkv.train.indexer import IndexerRecorder, indexer_loss
+from hybridkv.train.kernels import fast_linear_kernels
+from hybridkv.train.shapes import TRAINABLE, build
+
+DEFAULT_SCHEDULE = ((512, 250), (1024, 250), (2048, 250), (4096, 150), (8192, 60))
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    run_dir: Path
+    seed: int = 0
+    schedule: tuple[tuple[int, int], ...] = DEFAULT_SCHEDULE  # (example length, steps) in order
+    tokens_per_step: int = 8192
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    indexer_weight: float = 1.0
+    indexer_queries: int = 64
+    eval_every: int = 100
+    eval_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    eval_samples: int = 16
+    save_every: int = 25
+    threads: int = 0  # 0: torch's default
+    stop_at: int | None = None  # end this stretch (after a save) at this step; run again to go on
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(steps for _, steps in self.schedule)
+
+    def length_at(self, step: int) -> int:
+        for length, steps in self.schedule:
+            if step < steps:
+                return length
+            step -= steps
+        return self.schedule[-1][0]
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """'256:400,512:400' -> ((256, 400), (512, 400))."""
+    try:
+        pairs = tuple(tuple(int(x) for x in item.split(":")) for item in text.split(","))
+        if not pairs or any(len(p) != 2 or p[0] < 64 or p[1] < 1 for p in pairs):
+            raise ValueError
+    except ValueError:
+        raise HybridKVError(f"bad --schedule {text!r}: expected LENGTH:STEPS pairs, e.g. 256:400,1024:200") from None
+    return pairs
+
+
+class Model(nn.Module):
+    """Backbone (the transformers class) and LM head, as the loader runs them."""
+
+    def __init__(self, backbone: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.lm_head = lm_head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=tokens, use_cache=False).last_hidden_state
+        return self.lm_head(hidden)
+
+
+def _batch(examples: list[data.Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.tensor([e.tokens for e in examples])
+    answer = torch.zeros(tokens.shape, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        answer[row, e.answer[0] : e.answer[1]] = True
+    return tokens, answer
+
+
+def losses(model: Model, tokens: torch.Tensor, answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(language-model loss, answer loss, answer tokens all right per row) for a batch."""
+    logits = model(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
+    on_answer = answer[:, 1:]
+    lm = per_token.mean()
+    answer_loss = per_token[on_answer].mean() if on_answer.any() else torch.zeros(())
+    right = ((logits.argmax(-1) == targets) | ~on_answer).all(-1)
+    return lm, answer_loss, right[on_answer.any(-1)]
+
+
+def _checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoint"
+
+
+def save_model(model: Model, config, directory: Path) -> None:
+    """config.json + model.safetensors (backbone under `model.`, head under `lm_head.`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.backbone.state_dict().items()}
+    tensors.update({f"lm_head.{k}": v.contiguous() for k, v in model.lm_head.state_dict().items()})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_weights(model: Model, directory: Path) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    backbone = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    head = {k[len("lm_head.") :]: v for k, v in tensors.items() if k.startswith("lm_head.")}
+    model.backbone.load_state_dict(backbone)
+    model.lm_head.load_state_dict(head)
+
+
+def _save(run_dir: Path, model: Model, config, optimizer, step: int, generator: torch.Generator) -> None:
+    final = _checkpoint_dir(run_dir)
+    scratch = run_dir / "checkpoint.tmp"
+    shutil.rmtree(scratch, ignore_errors=True)
+    save_model(model, config, scratch)
+    torch.save(optimizer.state_dict(), scratch / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state(), "indexer": generator.get_state()}, scratch / "rng.pt")
+    (scratch / "state.json").write_text(json.dumps({"step": step}))
+    old = run_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    scratch.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def evaluate(model: Model, config: TrainConfig, step: int) -> dict[str, float]:
+    """Held-out answer accuracy (every answer token the argmax, teacher forced) per length."""
+    model.eval()
+    results = {}
+    tasks = {"niah": data.TASKS["niah"], "vt": data.TASKS["vt"]}
+    for length in config.eval_lengths:
+        right = 0
+        for i in range(config.eval_samples):
+            example = data.example(config.seed, "heldout", 0, i, length, tasks)
+            tokens, answer = _batch([example])
+            right += int(losses(model, tokens, answer)[2].all())
+        results[f"acc@{length}"] = right / config.eval_samples
+    model.train()
+    return results
+
+
+def plot(run_dir: Path) -> Path | None:
+    """loss.png from log.jsonl: losses per step, held-out accuracy per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = run_dir / "log.jsonl"
+    if not log.exists():
+        return None
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "lm" in r]
+    evals = [r for r in rows if "eval" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("lm", "answer", "indexer"):
+        left.plot([r["step"] for r in steps], [r[key] for r in steps], label=key, linewidth=0.8)
+    left.set_yscale("log")
+    left.set_xlabel("step")
+    left.set_ylabel("loss (nats)")
+    left.legend()
+    for key in sorted({k for r in evals for k in r["eval"]}):
+        right.plot([r["step"] for r in evals], [r["eval"][key] for r in evals], marker="o", label=key)
+    right.set_xlabel("step")
+    right.set_ylabel("held-out answer accuracy")
+    right.set_ylim(0, 1)
+    if evals:
+        right.legend()
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "loss.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
+    """Copy a run's checkpoint weights (config.json, model.safetensors) and its log summary into the
+    package (or `root`), as the built-in trained model `name`."""
+    from hybridkv.models.tiny import WEIGHTS_DIR
+
+    checkpoint = _checkpoint_dir(run_dir)
+    if not (checkpoint / "model.safetensors").is_file():
+        raise HybridKVError(f"{run_dir}: no checkpoint/model.safetensors to export")
+    if not name.startswith("tiny-"):
+        raise HybridKVError(f"trained built-in models are named tiny-*, not {name!r}")
+    target = (root or WEIGHTS_DIR) / name
+    target.mkdir(parents=True, exist_ok=True)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copyfile(checkpoint / file, target / file)
+    rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "lm" in r]
+    last_step = json.loads((checkpoint / "state.json").read_text())["step"]
+    steps = [r for r in steps if r["step"] < last_step]
+    evals = [r for r in rows if "eval" in r and r["step"] <= last_step]
+    card = {
+        "steps": last_step,
+        "tokens": sum(r.get("tokens", 0) for r in steps) or None,
+        "train_seconds": round(sum(r.get("seconds", 0) for r in steps), 1) or None,
+        "last_eval": evals[-1] if evals else None,
+        "train_config": json.loads((run_dir / "train_config.json").read_text()),
+    }
+    (target / "training.json").write_text(json.dumps(card, indent=1) + "\n")
+    if (run_dir / "loss.png").exists():
+        shutil.copyfile(run_dir / "loss.png", target / "loss.png")
+    return target
+
+
+def train(config: TrainConfig) -> Path:
+    if config.model not in TRAINABLE:
+        raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "train_config.json").write_text(json.dumps(asdict(config), default=str, indent=1))
+    torch.manual_seed(config.seed)
+    model_config, backbone, lm_head = build(config.model)
+    model = Model(backbone, lm_head)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    generator = torch.Generator().manual_seed(config.seed)
+    start = 0
+    checkpoint = _checkpoint_dir(run_dir)
+    if checkpoint.exists():
+        load_weights(model, checkpoint)
+        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
+        rng = torch.load(checkpoint / "rng.pt")
+        torch.set_rng_state(rng["torch"])
+        generator.set_state(rng["indexer"])
+        start = json.loads((checkpoint / "state.json").read_text())["step"]
+    recorder = IndexerRecorder(backbone)
+    model.train()
+    log = (run_dir / "log.jsonl").open("a")
+    end = min(config.total_steps, config.stop_at or config.total_steps)
+    bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc=config.model)
+    with fast_linear_kernels():
+        for step in bar:
+            length = config.length_at(step)
+            count = max(1, config.tokens_per_step // length)
+            examples = [data.example(config.seed, "train", step, i, length) for i in range(count)]
+            tokens, answer = _batch(examples)
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr_at(step)
+            began = time.perf_counter()
+            lm, answer_loss, right = losses(model, tokens, answer)
+            aux = indexer_loss(recorder, config.indexer_queries, generator) if recorder.handles else torch.zeros(())
+            loss = lm + answer_loss + config.indexer_weight * aux
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            seconds = time.perf_counter() - began
+            row = {
+                "step": step,
+                "length": length,
+                "lm": round(lm.item(), 5),
+                "answer": round(answer_loss.item(), 5),
+                "indexer": round(aux.item(), 5),
+                "answer_acc": round(right.float().mean().item(), 4) if right.numel() else None,
+                "grad_norm": round(norm.item(), 4),
+                "lr": config.lr_at(step),
+                "tokens": tokens.numel(),
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens.numel() / seconds, 1),
+                "time": time.time(),
+            }
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.set_postfix(
+                len=length,
+                lm=f"{row['lm']:.3f}",
+                ans=f"{row['answer']:.3f}",
+                idx=f"{row['indexer']:.3f}",
+                tok_s=f"{row['tokens_per_s']:.0f}",
+            )
+            done = step + 1
+            if done % config.eval_every == 0 or done == config.total_steps:
+                with torch.no_grad():
+                    results = evaluate(model, config, done)
+                recorder.inputs.clear()
+                log.write(json.dumps({"step": done, "eval": results}) + "\n")
+                log.flush()
+                tqdm.write(f"step {done}: held-out " + ", ".join(f"{k} {v:.2f}" for k, v in results.items()))
+            if done % config.save_every == 0 or done == end:
+                _save(run_dir, model, model_config, optimizer, done, generator)
+                plot(run_dir)
+    log.close()
+    recorder.close()
+    return checkpoint

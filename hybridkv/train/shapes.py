@@ -1,0 +1,70 @@
+"""The shapes the trained built-in models have: the real architectures, sized for a 2-core CPU.
+
+Per-token training cost on a CPU is dominated by per-layer overheads (the chunked linear-attention
+recurrence, hyper-connection routing), not by width, so these keep the layer pattern of the real
+model at 8 layers and a hidden size of 128. Each is a transformers config, and the trained
+weights load into the unmodified transformers class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig
+
+from hybridkv.models.tiny import TINY_VOCAB
+
+
+def _glm5_next() -> PreTrainedConfig:
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    # GLM-5.3-Flash's pattern (3 KDA : 1 MLA/DSA, NoPE, hyper-connections with 4 streams, MoE after
+    # 3 dense layers) at 8 layers. The indexer keeps 512 tokens (32 pools of 16) per query.
+    return Glm5NextTextConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        index_topk=512,
+        index_head_dim=32,
+        index_n_heads=4,
+        index_kpool=16,
+        linear_head_dim=32,
+        linear_num_heads=4,
+        hc_mult=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=65536,
+    )
+
+
+TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {"tiny-glm5-next": _glm5_next}
+
+
+def build(name: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    """(config, backbone, lm_head) initialised by the library under the current torch seed."""
+    config = TRAINABLE[name]()
+    if config.model_type == "glm5_next_text":
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        backbone = Glm5NextTextModel(config)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        backbone._init_weights(lm_head)
+        return config, backbone, lm_head
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return config, model.get_decoder(), model.get_output_embeddings()

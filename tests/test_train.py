@@ -1,0 +1,218 @@
+"""hybridkv train: its speed-ups equal the library's code, its data stays clear of the arena's
+evaluation samples, and a resumed run is the run it would have been."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers.models.glm5_next import modeling_glm5_next
+
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.workloads import ruler
+from hybridkv.models import load_model
+from hybridkv.models.tokenizer import ByteTokenizer
+from hybridkv.train import data
+from hybridkv.train.indexer import attention_by_pool, index_scores
+from hybridkv.train.kernels import chunk_kda_solve, fast_linear_kernels
+from hybridkv.train.loop import TrainConfig, export, parse_schedule, train
+
+
+def _kda_inputs(length: int, seed: int, heads: int = 2, dim: int = 16):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).float()
+
+    q, k, v = (randn(2, length, heads, dim).requires_grad_() for _ in range(3))
+    # KDA's gate: log-decays in [-5, 0), per channel.
+    g = (-5 * torch.rand(2, length, heads, dim, generator=generator)).requires_grad_()
+    beta = torch.rand(2, length, heads, generator=generator).requires_grad_()
+    state = randn(2, heads, dim, dim)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 37, 64, 130])
+def test_triangular_solve_kda_equals_the_library_chunk_kda(length):
+    """Outputs, final state and every input gradient, to float32 tolerance (fp32 sums regrouped)."""
+    reference = modeling_glm5_next.chunk_kimi_delta_attention
+    results = []
+    for fn in (reference, chunk_kda_solve):
+        q, k, v, g, beta, state = _kda_inputs(length, seed=length)
+        out, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)  # fmt: skip
+        weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+        ((out * weights).sum() + final.square().sum()).backward()
+        results.append((out.detach(), final.detach(), [x.grad for x in (q, k, v, g, beta)]))
+    (out_ref, final_ref, grads_ref), (out, final, grads) = results
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_fast_kernels_patch_only_inside_the_block_and_keep_the_model_output(models):
+    model = models["random-glm5-next"]
+    tokens = torch.randint(3, 500, (1, 150), generator=torch.Generator().manual_seed(1))
+    library = modeling_glm5_next.chunk_kimi_delta_attention
+    with torch.no_grad():
+        want = model.backbone(input_ids=tokens, use_cache=False).last_hidden_state
+        with fast_linear_kernels():
+            assert modeling_glm5_next.chunk_kimi_delta_attention is chunk_kda_solve
+            got = model.backbone(input_ids=tokens, use_cache=False).last_hidden_state
+    assert modeling_glm5_next.chunk_kimi_delta_attention is library
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _first_attention(model):
+    return next(layer.self_attn for layer in model.backbone.layers if hasattr(layer.self_attn, "indexer"))
+
+
+def _layer_input(model, tokens: torch.Tensor, attention) -> torch.Tensor:
+    seen = {}
+
+    def record(module, args, kwargs) -> None:
+        seen.setdefault("hidden", kwargs["hidden_states"])
+
+    handle = attention.register_forward_pre_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        model.backbone(input_ids=tokens, use_cache=False)
+    handle.remove()
+    return seen["hidden"]
+
+
+def test_indexer_scores_rank_pools_as_the_library_selects_them(models):
+    """Every pool the library's indexer keeps scores at least as high (ours) as every complete
+    visible pool it drops: the same ranking, ties aside."""
+    model = models["random-glm5-next"]
+    attention = _first_attention(model)
+    pool, keep = attention.indexer.index_kpool, attention.indexer.index_topk // attention.indexer.index_kpool
+    length = 40 * pool + 5
+    tokens = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(2))
+    hidden = _layer_input(model, tokens, attention)
+    queries = torch.tensor([keep * pool + 20, 30 * pool + 3, length - 1])
+    with torch.no_grad():
+        selected = attention.indexer(hidden, attention.q_a_layernorm(attention.q_a_proj(hidden)),
+                                     torch.ones(1, length, dtype=torch.bool), None)  # fmt: skip
+        scores, _ = index_scores(attention, hidden, queries)
+    for row, query in enumerate(queries.tolist()):
+        complete = (query + 1) // pool
+        chosen = {int(i) // pool for i in selected[0, query] if 0 <= i < complete * pool}
+        assert len(chosen) == keep
+        dropped = set(range(complete)) - chosen
+        ours = scores[0, row]
+        assert min(ours[list(chosen)]) >= max(ours[list(dropped)]) - 1e-5
+
+
+def test_attention_target_is_the_library_attention_summed_by_pool(models):
+    model = models["random-glm5-next"]
+    attention = _first_attention(model)
+    pool = attention.indexer.index_kpool
+    length = 12 * pool  # within index_topk: the library's attention is dense
+    tokens = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(3))
+    hidden = _layer_input(model, tokens, attention)
+    queries = torch.tensor([2 * pool, 7 * pool + 9, length - 1])
+    recorded = {}
+
+    def record(module, args, output) -> None:
+        recorded.setdefault("attn", output[1])
+
+    handle = attention.register_forward_hook(record)
+    saved = model.backbone.config._attn_implementation
+    model.backbone.config._attn_implementation = "eager"  # eager returns the attention probabilities
+    try:
+        with torch.no_grad():
+            attention(hidden_states=hidden, attention_mask=torch.ones(1, length, dtype=torch.bool))
+    finally:
+        model.backbone.config._attn_implementation = saved
+        handle.remove()
+    probs = recorded["attn"][0, :, queries].sum(0)  # [Q, length]
+    want = probs.reshape(len(queries), length // pool, pool).sum(-1)
+    got = attention_by_pool(attention, hidden, queries, pool)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_examples_are_exact_length_deterministic_and_end_with_their_answer():
+    tokenizer = ByteTokenizer()
+    seen_tasks = set()
+    for index in range(40):
+        length = (512, 1024, 2048)[index % 3]
+        example = data.example(0, "train", 7, index, length)
+        again = data.example(0, "train", 7, index, length)
+        assert example == again
+        assert len(example.tokens) == length
+        start, end = example.answer
+        seen_tasks.add(example.task.split("_")[0])
+        if example.task != "natural":
+            assert example.tokens[-1] == data.EOS and end == length
+            answer = tokenizer.decode(example.tokens[start:end])
+            assert answer.endswith("\n") and answer.strip()
+    assert {"niah", "vt", "natural"} <= seen_tasks
+    assert data.example(0, "train", 7, 0, 1024) != data.example(1, "train", 7, 0, 1024)
+
+
+def test_no_arena_needle_key_or_answer_occurs_in_the_training_stream():
+    arena_words = set().union(ruler.ADJECTIVES, ruler.NOUNS, ruler.VERBS, ruler.ADVERBS, ruler.PREPOSITIONS)
+    assert not arena_words & set(data.key_words())
+    tokenizer = ByteTokenizer()
+    probes: set[str] = set()
+    for task in ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_3",
+                 "niah_multivalue", "niah_multiquery", "vt"):  # fmt: skip
+        for sample in ruler.generate(task, 1024, 8, tokenizer, seed=0):
+            for needle in sample.meta.get("needles", []):
+                probes |= {needle["key"], needle["text"]}
+            for chain in sample.meta.get("chains", []):
+                probes |= {link["text"].strip() for link in chain}
+            probes |= {gold for gold in sample.golds if len(gold) >= 7}
+    assert len(probes) > 100
+    stream = "\n".join(
+        tokenizer.decode(data.example(0, "train", step, index, 2048).tokens) for step in range(0, 4000, 40)
+        for index in range(4)
+    )  # fmt: skip
+    leaked = sorted(p for p in probes if p in stream)
+    assert not leaked, f"arena needles in the training stream: {leaked[:5]}"
+
+
+def test_bad_schedule_is_refused_in_one_line():
+    assert parse_schedule("512:3,1024:2") == ((512, 3), (1024, 2))
+    for text in ("", "512", "512:0", "a:b", "16:4"):
+        with pytest.raises(HybridKVError, match="--schedule"):
+            parse_schedule(text)
+
+
+def _tiny_run(run_dir, stop_at=None):
+    return TrainConfig(model="tiny-glm5-next", run_dir=run_dir, schedule=((512, 4),), tokens_per_step=1024,
+                       eval_every=1000, save_every=1, eval_lengths=(512,), eval_samples=1, warmup=2,
+                       stop_at=stop_at)  # fmt: skip
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_and_exports_a_loadable_model(tmp_path):
+    straight = tmp_path / "straight"
+    train(_tiny_run(straight))
+    split = tmp_path / "split"
+    train(_tiny_run(split, stop_at=2))  # a stretch that ends at step 2, as a killed run's last save
+    assert json.loads((split / "checkpoint" / "state.json").read_text())["step"] == 2
+    train(_tiny_run(split))
+    a = load_model_from_run(straight)
+    b = load_model_from_run(split)
+    for (name, x), (_, y) in zip(a.items(), b.items(), strict=True):
+        assert torch.equal(x, y), name
+    lines = [json.loads(line) for line in (straight / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "lm" in r] == [0, 1, 2, 3]
+    assert (straight / "loss.png").stat().st_size > 0
+
+    target = export(straight, "tiny-test", root=tmp_path / "weights")
+    model = load_model(str(target))
+    assert model.config.model_type == "glm5_next_text"
+    card = json.loads((target / "training.json").read_text())
+    assert card["steps"] == 4 and card["tokens"] == 4 * 1024
+    tokens = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(4))
+    logits = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
+    assert torch.isfinite(logits).all()
+
+
+def load_model_from_run(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return dict(sorted(load_file(run_dir / "checkpoint" / "model.safetensors").items()))
