@@ -144,7 +144,9 @@ class RecoveryArenaMethod:
         start = time.perf_counter()
         outcome = execute(self.model, prompt, hit, self.recovery.recipe(hit, self.budget), logits_to_keep=1)
         ttft = time.perf_counter() - start
-        tokens = greedy_continue(self.model, outcome.cache, outcome.logits[-1], prompt.numel(), config.max_new_tokens)
+        tokens = greedy_continue(
+            self.model, outcome.cache, outcome.logits[-1], prompt.numel(), config.max_new_tokens, self.model.eos_ids
+        )
         forwarded = prompt.numel() - hit.length + outcome.replayed_tokens  # everything after the state's position
         return Answer(
             text="",
@@ -177,7 +179,7 @@ class NoContext:
         start = time.perf_counter()
         logits = self.model.forward(prompt, cache, start=0, logits_to_keep=1)
         ttft = time.perf_counter() - start
-        tokens = greedy_continue(self.model, cache, logits[-1], prompt.numel(), config.max_new_tokens)
+        tokens = greedy_continue(self.model, cache, logits[-1], prompt.numel(), config.max_new_tokens, self.model.eos_ids)
         return Answer(
             text="",
             tokens=tokens,

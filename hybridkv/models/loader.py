@@ -43,6 +43,13 @@ class HybridModel:
         return DynamicCache(config=self.config)
 
     @property
+    def eos_ids(self) -> frozenset[int]:
+        """The config's end-of-sequence ids that lie inside the vocabulary."""
+        eos = getattr(self.config, "eos_token_id", None)
+        ids = eos if isinstance(eos, list | tuple) else [] if eos is None else [eos]
+        return frozenset(i for i in ids if 0 <= i < self.config.vocab_size)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 

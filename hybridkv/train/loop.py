@@ -33,7 +33,7 @@ from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
 from hybridkv.train.shapes import TRAINABLE, build
 
-DEFAULT_SCHEDULE = ((512, 250), (1024, 250), (2048, 250), (4096, 150), (8192, 60))
+DEFAULT_SCHEDULE = ((512, 150), (1024, 150), (2048, 150), (4096, 100), (8192, 40))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Per-token training cost on a CPU is dominated by per-layer overheads (the chunked linear-attention
 recurrence, hyper-connection routing), not by width, so these keep the layer pattern of the real
-model at 8 layers and a hidden size of 128. Each is a transformers config, and the trained
+model at 8-10 layers and a hidden size of 128. Each is a transformers config, and the trained
 weights load into the unmodified transformers class.
 """
 
@@ -51,7 +51,65 @@ def _glm5_next() -> PreTrainedConfig:
     )
 
 
-TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {"tiny-glm5-next": _glm5_next}
+def _qwen3_next() -> PreTrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    # Qwen3-Next's pattern (3 Gated DeltaNet : 1 gated attention with partial RoPE, MoE with a
+    # shared expert) at 8 layers. Linear heads: 2 key heads, 4 value heads, 32 channels each.
+    return Qwen3NextConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=65536,
+    )
+
+
+def _nemotron_h() -> PreTrainedConfig:
+    from transformers import NemotronHConfig
+
+    # Nemotron-H's pattern (Mamba-2 and squared-ReLU MLP layers, a few NoPE attention layers) at
+    # 10 layers: 4 Mamba-2, 4 MLP, 2 attention.
+    return NemotronHConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mlp", "mamba", "attention", "mlp"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        ssm_state_size=32,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=2,
+        chunk_size=64,
+        use_mamba_kernels=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=65536,
+    )
+
+
+TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {
+    "tiny-glm5-next": _glm5_next,
+    "tiny-qwen3-next": _qwen3_next,
+    "tiny-nemotron-h": _nemotron_h,
+}
 
 
 def build(name: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
