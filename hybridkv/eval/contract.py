@@ -179,7 +179,9 @@ class NoContext:
         start = time.perf_counter()
         logits = self.model.forward(prompt, cache, start=0, logits_to_keep=1)
         ttft = time.perf_counter() - start
-        tokens = greedy_continue(self.model, cache, logits[-1], prompt.numel(), config.max_new_tokens, self.model.eos_ids)
+        tokens = greedy_continue(
+            self.model, cache, logits[-1], prompt.numel(), config.max_new_tokens, self.model.eos_ids
+        )
         return Answer(
             text="",
             tokens=tokens,
