@@ -142,13 +142,14 @@ def test_examples_are_exact_length_deterministic_and_end_with_their_answer():
         again = data.example(0, "train", 7, index, length)
         assert example == again
         assert len(example.tokens) == length
-        start, end = example.answer
         seen_tasks.add(example.task.split("_")[0])
         if example.task != "natural":
-            assert example.tokens[-1] == data.EOS and end == length
-            answer = tokenizer.decode(example.tokens[start:end])
-            assert answer.endswith("\n") and answer.strip()
-    assert {"niah", "vt", "natural"} <= seen_tasks
+            assert example.tokens[-1] == data.EOS and example.answers[-1][1] == length
+            answers = [tokenizer.decode(example.tokens[start:end]) for start, end in example.answers]
+            assert answers[-1].endswith("\n") and all(a.strip() for a in answers)
+            ends = [0] + [end for _, end in example.answers]
+            assert all(a < b for a, b in zip(ends, ends[1:], strict=False))  # in order, not overlapping
+    assert {"niah", "recall", "vt", "natural"} <= seen_tasks
     assert data.example(0, "train", 7, 0, 1024) != data.example(1, "train", 7, 0, 1024)
 
 

@@ -15,9 +15,9 @@ its own haystacks and its own key and value vocabularies:
 
 `tests/test_train.py` checks that no arena sample's needle, key or answer occurs in the stream.
 
-Every example is exactly `length` byte tokens. Its `answer` span marks the tokens after the
-question that the model must produce (answer, newline, end of sequence); the trainer weighs them
-separately from the language-model loss on the rest.
+Every example is exactly `length` byte tokens. Its `answers` spans mark the tokens after each
+question that the model must produce (the last answer ends with a newline and the end of
+sequence); the trainer weighs them separately from the language-model loss on the rest.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ EOS = 2
 @dataclass(frozen=True)
 class Example:
     tokens: list[int]  # exactly the requested length
-    answer: tuple[int, int]  # [start, end) token positions the model must predict after the question
+    answers: tuple[tuple[int, int], ...]  # [start, end) token spans the model must produce after a question
     task: str
 
 
@@ -181,12 +181,12 @@ def _assemble(
     body_units: list[str],
     inserts: list[tuple[float, str]],
     sep: str,
-    question: str,
-    answer: str,
+    tail: list[tuple[str, str]],
     length: int,
 ) -> Example | None:
-    """head + body (haystack with inserts at fractions) + question, then answer + EOS; exactly `length` tokens."""
-    fixed = len(head) + len(question) + len(answer) + 1 + sum(len(text) + len(sep) for _, text in inserts)
+    """head + body (haystack with inserts at fractions) + (question, answer) pairs, then EOS;
+    exactly `length` tokens. Each answer (the last with its EOS) is an answer span."""
+    fixed = sum(len(q) + len(a) for q, a in tail) + len(head) + 1 + sum(len(text) + len(sep) for _, text in inserts)
     size = length - fixed
     if size < 0:
         return None
@@ -203,10 +203,16 @@ def _assemble(
         pieces.append(text + sep)
         last = at
     pieces.append(body[last:])
-    prompt = head + "".join(pieces) + question
-    tokens = TOKENIZER.encode(prompt) + TOKENIZER.encode(answer) + [EOS]
+    text = head + "".join(pieces)
+    spans = []
+    for question, answer in tail:
+        text += question
+        spans.append((len(text), len(text) + len(answer)))
+        text += answer
+    tokens = TOKENIZER.encode(text) + [EOS]
+    spans[-1] = (spans[-1][0], length)
     assert len(tokens) == length, (len(tokens), length)
-    return Example(tokens, (len(prompt), length), task)
+    return Example(tokens, tuple(spans), task)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +268,39 @@ def niah(rng: random.Random, length: int) -> Example | None:
             )
     else:
         units = _haystack(haystack, length, rng)
-    return _assemble(f"niah_{shape}", head, units, needles, sep, question, answer, length)
+    return _assemble(f"niah_{shape}", head, units, needles, sep, [(question, answer)], length)
+
+
+def recall(rng: random.Random, length: int) -> Example | None:
+    """Many needles, then one short question and answer per needle, in shuffled order: dense
+    supervision for the lookup every needle task needs; the last question is the full one."""
+    type_k = rng.choice(("words", "words", "uuids"))
+    type_v = rng.choice(("numbers", "numbers", "words", "uuids"))
+    count = max(2, min(24, length // 220))
+    taken: set[str] = set()
+    keys = [_distinct(lambda: _key(type_k, rng), taken) for _ in range(count)]
+    values = [_distinct(lambda: _value(type_v, rng), taken) for _ in keys]
+    noun = type_v[:-1]
+    needles = [
+        (rng.random(), f"One of the special magic {type_v} for {k} is: {v}.") for k, v in zip(keys, values, strict=True)
+    ]
+    head = (
+        f"Some special magic {type_v} are hidden within the following text. Make sure to memorize them. "
+        f"I will quiz you about the {type_v} afterwards.\n"
+    )
+    order = rng.sample(range(count), count)
+    tail = [(f"\nThe special magic {noun} for {keys[i]} is", f" {values[i]}.") for i in order[:-1]]
+    last = order[-1]
+    tail.append(
+        (
+            f"\nWhat is the special magic {noun} for {keys[last]} mentioned in the provided text? The special magic "
+            f"{noun} for {keys[last]} mentioned in the provided text is",
+            f" {values[last]}.\n",
+        )
+    )
+    haystack = rng.choice(("prose", "noise", "code"))
+    sep = " " if haystack == "prose" else "\n"
+    return _assemble("recall", head, _haystack(haystack, length, rng), needles, sep, tail, length)
 
 
 def variable_tracking(rng: random.Random, length: int) -> Example | None:
@@ -315,7 +353,7 @@ def variable_tracking(rng: random.Random, length: int) -> Example | None:
         head = intro + ex_body + question(ex_value, len(ex_names[0])) + " " + " ".join(ex_names[0]) + "\n\n" + intro
     inserts = prompt_parts(names, values)
     answer = " ".join(names[0]) + "\n"
-    return _assemble("vt", head, noise, inserts, "\n", question(values[0], len(names[0])), answer, length)
+    return _assemble("vt", head, noise, inserts, "\n", [(question(values[0], len(names[0])), answer)], length)
 
 
 def passages(rng: random.Random, length: int) -> Example | None:
@@ -343,7 +381,7 @@ def passages(rng: random.Random, length: int) -> Example | None:
     body = body + " " * (length - fixed - len(body))
     prompt = head + body + question
     tokens = TOKENIZER.encode(prompt) + TOKENIZER.encode(answer) + [EOS]
-    return Example(tokens, (len(prompt), length), "passages")
+    return Example(tokens, ((len(prompt), length),), "passages")
 
 
 def natural(rng: random.Random, length: int) -> Example:
@@ -351,14 +389,15 @@ def natural(rng: random.Random, length: int) -> Example:
     source = prose() if rng.random() < 0.7 else code()
     start = rng.randrange(0, len(source) - length)
     tokens = TOKENIZER.encode(source[start : start + length])
-    return Example(tokens, (length, length), "natural")
+    return Example(tokens, (), "natural")
 
 
 TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] = {
-    "niah": (0.45, niah),
-    "vt": (0.15, variable_tracking),
+    "niah": (0.35, niah),
+    "recall": (0.2, recall),
+    "vt": (0.1, variable_tracking),
     "passages": (0.1, passages),
-    "natural": (0.3, natural),
+    "natural": (0.25, natural),
 }
 
 

@@ -33,7 +33,7 @@ from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
 from hybridkv.train.shapes import TRAINABLE, build
 
-DEFAULT_SCHEDULE = ((512, 150), (1024, 150), (2048, 150), (4096, 100), (8192, 40))
+DEFAULT_SCHEDULE = ((512, 150), (1024, 150), (2048, 120), (4096, 80), (8192, 30))
 
 
 @dataclass
@@ -103,7 +103,8 @@ def _batch(examples: list[data.Example]) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.tensor([e.tokens for e in examples])
     answer = torch.zeros(tokens.shape, dtype=torch.bool)
     for row, e in enumerate(examples):
-        answer[row, e.answer[0] : e.answer[1]] = True
+        for start, end in e.answers:
+            answer[row, start:end] = True
     return tokens, answer
 
 
