@@ -33,7 +33,7 @@ from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
 from hybridkv.train.shapes import TRAINABLE, build
 
-DEFAULT_SCHEDULE = ((512, 150), (1024, 150), (2048, 120), (4096, 80), (8192, 30))
+DEFAULT_SCHEDULE = ((512, 400), (1024, 120), (2048, 100), (4096, 60), (8192, 25))
 
 
 @dataclass
@@ -46,6 +46,7 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup: int = 50
+    decay: float = 0.15  # share of all steps over which the rate falls from lr to min_lr, at the end
     weight_decay: float = 0.01
     indexer_weight: float = 1.0
     indexer_queries: int = 64
@@ -69,9 +70,14 @@ class TrainConfig:
         return self.schedule[-1][0]
 
     def lr_at(self, step: int) -> float:
+        """Warm-up, constant, then a cosine fall over the last `decay` share of the steps: a run
+        whose schedule is lengthened between stretches keeps the rates its past steps had."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
+        decay_steps = max(1, int(self.decay * self.total_steps))
+        progress = (step - (self.total_steps - decay_steps)) / decay_steps
+        if progress <= 0:
+            return self.lr
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -234,6 +240,8 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
         "train_seconds": round(sum(r.get("seconds", 0) for r in steps), 1) or None,
         "last_eval": evals[-1] if evals else None,
         "train_config": json.loads((run_dir / "train_config.json").read_text()),
+        # Every start of the run (a fresh one, then each resumed stretch) with its config.
+        "stretches": [json.loads(line) for line in (run_dir / "stretches.jsonl").read_text().splitlines() if line],
     }
     (target / "training.json").write_text(json.dumps(card, indent=1) + "\n")
     if (run_dir / "loss.png").exists():
@@ -269,6 +277,8 @@ def train(config: TrainConfig) -> Path:
         torch.set_rng_state(rng["torch"])
         generator.set_state(rng["indexer"])
         start = json.loads((checkpoint / "state.json").read_text())["step"]
+    with (run_dir / "stretches.jsonl").open("a") as stretches:
+        stretches.write(json.dumps({"from_step": start, "config": asdict(config)}, default=str) + "\n")
     recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")
