@@ -273,10 +273,13 @@ def niah(rng: random.Random, length: int) -> Example | None:
 
 def recall(rng: random.Random, length: int) -> Example | None:
     """Many needles, then one short question and answer per needle, in shuffled order: dense
-    supervision for the lookup every needle task needs; the last question is the full one."""
+    supervision for the lookup every needle task needs; the last question is the full one.
+    Half of them have no haystack at all and as many needles as fit: the drill that gets a
+    freshly initialised model past the long plateau before retrieval forms."""
     type_k = rng.choice(("words", "words", "uuids"))
     type_v = rng.choice(("numbers", "numbers", "words", "uuids"))
-    count = max(2, min(24, length // 220))
+    dense = rng.random() < 0.5
+    count = max(2, min(48, (length - 160) // 130)) if dense else max(2, min(24, length // 220))
     taken: set[str] = set()
     keys = [_distinct(lambda: _key(type_k, rng), taken) for _ in range(count)]
     values = [_distinct(lambda: _value(type_v, rng), taken) for _ in keys]
@@ -291,16 +294,20 @@ def recall(rng: random.Random, length: int) -> Example | None:
     order = rng.sample(range(count), count)
     tail = [(f"\nThe special magic {noun} for {keys[i]} is", f" {values[i]}.") for i in order[:-1]]
     last = order[-1]
-    tail.append(
-        (
-            f"\nWhat is the special magic {noun} for {keys[last]} mentioned in the provided text? The special magic "
-            f"{noun} for {keys[last]} mentioned in the provided text is",
-            f" {values[last]}.\n",
+    if dense:
+        tail.append((f"\nThe special magic {noun} for {keys[last]} is", f" {values[last]}.\n"))
+    else:
+        tail.append(
+            (
+                f"\nWhat is the special magic {noun} for {keys[last]} mentioned in the provided text? The special "
+                f"magic {noun} for {keys[last]} mentioned in the provided text is",
+                f" {values[last]}.\n",
+            )
         )
-    )
     haystack = rng.choice(("prose", "noise", "code"))
     sep = " " if haystack == "prose" else "\n"
-    return _assemble("recall", head, _haystack(haystack, length, rng), needles, sep, tail, length)
+    units = [] if dense else _haystack(haystack, length, rng)
+    return _assemble("recall", head, units, needles, "\n" if dense else sep, tail, length)
 
 
 def variable_tracking(rng: random.Random, length: int) -> Example | None:
@@ -393,11 +400,11 @@ def natural(rng: random.Random, length: int) -> Example:
 
 
 TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] = {
-    "niah": (0.35, niah),
-    "recall": (0.2, recall),
+    "niah": (0.3, niah),
+    "recall": (0.35, recall),
     "vt": (0.1, variable_tracking),
-    "passages": (0.1, passages),
-    "natural": (0.25, natural),
+    "passages": (0.05, passages),
+    "natural": (0.2, natural),
 }
 
 

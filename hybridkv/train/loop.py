@@ -7,8 +7,8 @@ directory resumes where the last checkpoint left off; the data of step s is a pu
 (seed, s), so the resumed run sees exactly the examples it would have.
 
 The curriculum goes from short to long examples at a fixed number of tokens per step. The loss
-is the language-model loss over every token plus the loss over the answer tokens (so an answer
-weighs the same in a 256- and an 8K-token example), plus, for GLM-5.3-Flash, the DSA indexer's
+is the language-model loss over every token plus `answer_weight` times the loss over the answer
+tokens (so an answer weighs the same in a 512- and an 8K-token example), plus, for GLM-5.3-Flash, the DSA indexer's
 own loss (`hybridkv.train.indexer`).
 """
 
@@ -48,6 +48,7 @@ class TrainConfig:
     warmup: int = 50
     decay: float = 0.15  # share of all steps over which the rate falls from lr to min_lr, at the end
     weight_decay: float = 0.01
+    answer_weight: float = 3.0
     indexer_weight: float = 1.0
     indexer_queries: int = 64
     eval_every: int = 100
@@ -249,6 +250,19 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
     return target
 
 
+def _git_commit() -> str | None:
+    """The hybridkv commit a stretch ran (its data and loss code), when run from a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "hybridkv"], cwd=Path(__file__).parent.parent.parent,
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        return None
+    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else None
+
+
 def train(config: TrainConfig) -> Path:
     if config.model not in TRAINABLE:
         raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
@@ -278,7 +292,8 @@ def train(config: TrainConfig) -> Path:
         generator.set_state(rng["indexer"])
         start = json.loads((checkpoint / "state.json").read_text())["step"]
     with (run_dir / "stretches.jsonl").open("a") as stretches:
-        stretches.write(json.dumps({"from_step": start, "config": asdict(config)}, default=str) + "\n")
+        record = {"from_step": start, "commit": _git_commit(), "config": asdict(config)}
+        stretches.write(json.dumps(record, default=str) + "\n")
     recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")
@@ -295,7 +310,7 @@ def train(config: TrainConfig) -> Path:
             began = time.perf_counter()
             lm, answer_loss, right = losses(model, tokens, answer)
             aux = indexer_loss(recorder, config.indexer_queries, generator) if recorder.handles else torch.zeros(())
-            loss = lm + answer_loss + config.indexer_weight * aux
+            loss = lm + config.answer_weight * answer_loss + config.indexer_weight * aux
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
