@@ -391,6 +391,32 @@ def passages(rng: random.Random, length: int) -> Example | None:
     return Example(tokens, ((len(prompt), length),), "passages")
 
 
+def copy(rng: random.Random, length: int) -> Example | None:
+    """A random passage written out again two to four times: every copy after the first is an
+    answer span. In-context copying (an induction head) is what every retrieval task builds on,
+    and natural text alone grows it far too slowly for a CPU's budget."""
+    size = rng.randint(24, max(25, min(400, length // 3)))
+    kind = rng.choice(("chars", "words", "prose"))
+    if kind == "chars":
+        alphabet = rng.choice(("0123456789", "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-"))
+        passage = "".join(rng.choice(alphabet) for _ in range(size))
+    elif kind == "words":
+        passage = " ".join(_word(rng) for _ in range(size // 7 + 1))[:size]
+    else:
+        start = rng.randrange(0, len(prose()) - size)
+        passage = re.sub(r"\s+", " ", prose()[start : start + size])
+    copies = rng.randint(2, 4)
+    head = "Copy the passage exactly.\n"
+    tail = [(f"\nCopy {n}: ", passage) for n in range(2, copies + 1)]
+    tail[-1] = (tail[-1][0], passage + "\n")
+    body = [f"Passage: {passage}"]
+    fixed = len(head) + len(body[0]) + sum(len(q) + len(a) for q, a in tail) + 1
+    if fixed > length:
+        return None
+    filler = _haystack("prose", length - fixed, rng)
+    return _assemble("copy", head, body + filler, [], "\n", tail, length)
+
+
 def natural(rng: random.Random, length: int) -> Example:
     """A contiguous stretch of reference prose or library source: plain language modelling."""
     source = prose() if rng.random() < 0.7 else code()
@@ -400,11 +426,12 @@ def natural(rng: random.Random, length: int) -> Example:
 
 
 TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] = {
-    "niah": (0.3, niah),
-    "recall": (0.35, recall),
+    "niah": (0.25, niah),
+    "recall": (0.3, recall),
+    "copy": (0.15, copy),
     "vt": (0.1, variable_tracking),
     "passages": (0.05, passages),
-    "natural": (0.2, natural),
+    "natural": (0.15, natural),
 }
 
 
