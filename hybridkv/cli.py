@@ -209,9 +209,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     from hybridkv.train.loop import DEFAULT_SCHEDULE, TrainConfig
 
-    defaults = TrainConfig(model=DEFAULT_MODEL, run_dir=Path("."))
+    defaults = TrainConfig(model="tiny-glm5-next", run_dir=Path("."))
     train.add_argument("run_dir", type=Path, help="run directory (created; resumed when it holds a checkpoint)")
-    train.add_argument("--model", default=DEFAULT_MODEL, help="built-in model to train")
+    train.add_argument("--model", default="tiny-glm5-next", help="model shape to train (hybridkv/train/shapes.py)")
     train.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the data stream")
     train.add_argument(
         "--schedule",
@@ -224,6 +224,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint interval (steps)")
     train.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
     train.add_argument("--stop-at", type=int, default=None, help="end this stretch at this step (resume later)")
+    train.add_argument("--tasks", default="", help="comma list of training tasks (default: the whole mix)")
     train.add_argument(
         "--export", action="store_true",
         help="do not train: copy RUN_DIR's checkpoint weights into the package as the built-in MODEL",
@@ -240,7 +241,7 @@ def _train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         model=args.model, run_dir=args.run_dir, seed=args.seed, schedule=parse_schedule(args.schedule),
         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_every=args.eval_every, save_every=args.save_every,
-        threads=args.threads, stop_at=args.stop_at,
+        threads=args.threads, stop_at=args.stop_at, tasks=tuple(t for t in args.tasks.split(",") if t),
     )  # fmt: skip
     checkpoint = train(config)
     print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")

@@ -48,6 +48,7 @@ class TrainConfig:
     warmup: int = 50
     decay: float = 0.15  # share of all steps over which the rate falls from lr to min_lr, at the end
     weight_decay: float = 0.01
+    tasks: tuple[str, ...] = ()  # names from hybridkv.train.data.TASKS, at their weights; () = all of them
     answer_weight: float = 3.0
     indexer_weight: float = 1.0
     indexer_queries: int = 64
@@ -294,6 +295,9 @@ def train(config: TrainConfig) -> Path:
     with (run_dir / "stretches.jsonl").open("a") as stretches:
         record = {"from_step": start, "commit": _git_commit(), "config": asdict(config)}
         stretches.write(json.dumps(record, default=str) + "\n")
+    if unknown := [t for t in config.tasks if t not in data.TASKS]:
+        raise HybridKVError(f"unknown training task(s) {', '.join(unknown)}; known: {', '.join(data.TASKS)}")
+    task_table = {t: data.TASKS[t] for t in config.tasks} or None
     recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")
@@ -303,7 +307,7 @@ def train(config: TrainConfig) -> Path:
         for step in bar:
             length = config.length_at(step)
             count = max(1, config.tokens_per_step // length)
-            examples = [data.example(config.seed, "train", step, i, length) for i in range(count)]
+            examples = [data.example(config.seed, "train", step, i, length, task_table) for i in range(count)]
             tokens, answer = _batch(examples)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr_at(step)
