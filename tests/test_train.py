@@ -217,3 +217,17 @@ def load_model_from_run(run_dir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return dict(sorted(load_file(run_dir / "checkpoint" / "model.safetensors").items()))
+
+
+def test_only_glm5_attention_layers_get_an_indexer_loss():
+    from hybridkv.train.indexer import IndexerRecorder
+    from hybridkv.train.shapes import TRAINABLE, build
+
+    for name in TRAINABLE:
+        _, backbone, _ = build(name)
+        recorder = IndexerRecorder(backbone)
+        expected = sum(
+            getattr(getattr(layer, "self_attn", None), "indexer", None) is not None for layer in backbone.layers
+        )
+        assert len(recorder.handles) == expected and (expected > 0) == (name == "tiny-glm5-next")
+        recorder.close()

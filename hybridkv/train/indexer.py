@@ -26,7 +26,7 @@ class IndexerRecorder:
         self.inputs: dict[nn.Module, torch.Tensor] = {}
         self.handles = []
         for layer in backbone.layers:
-            attention = layer.self_attn
+            attention = getattr(layer, "self_attn", None)  # other families name their mixers otherwise
             if getattr(attention, "indexer", None) is not None:
                 self.handles.append(attention.register_forward_pre_hook(self._record, with_kwargs=True))
 
