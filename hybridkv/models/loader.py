@@ -90,7 +90,7 @@ class HybridModel:
         return self.lm_head(hidden[:, -logits_to_keep:]).float()
 
 
-def _from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
+def model_from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
     """The library's model for `config`, initialised by the library under the current torch seed."""
     if config.model_type == GLM5_TEXT:
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
@@ -106,7 +106,7 @@ def _from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
 def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
     config = RANDOM_MODELS[name]()
     torch.manual_seed(seed)
-    return config, *_from_config(config)
+    return config, *model_from_config(config)
 
 
 def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
@@ -127,7 +127,7 @@ def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module
         tensors = load_file(weights)
     except (OSError, ValueError, SafetensorError) as err:
         raise HybridKVError(f"{label}: unreadable weights in {directory} ({err})") from err
-    backbone, lm_head = _from_config(config)
+    backbone, lm_head = model_from_config(config)
     for prefix, module in (("model.", backbone), ("lm_head.", lm_head)):
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
@@ -114,15 +113,7 @@ TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {
 
 def build(name: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
     """(config, backbone, lm_head) initialised by the library under the current torch seed."""
+    from hybridkv.models.loader import model_from_config
+
     config = TRAINABLE[name]()
-    if config.model_type == "glm5_next_text":
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
-
-        backbone = Glm5NextTextModel(config)
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        backbone._init_weights(lm_head)
-        return config, backbone, lm_head
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return config, model.get_decoder(), model.get_output_embeddings()
+    return config, *model_from_config(config)
