@@ -25,6 +25,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+# Largest total log-decay of one chunk for which exp(+-decay) stays far inside float32 (e^88).
+_FACTOR_LIMIT = 80.0
+
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     # transformers' (and FLA's) l2norm: x / sqrt(sum x^2 + eps)
@@ -46,7 +49,8 @@ def chunk_kda_solve(
     """`chunk_kimi_delta_attention` with the per-row loop replaced by a triangular solve.
 
     Chunks of 16 instead of the library's 64: the result is the same up to float rounding (the
-    chunk size only regroups the same sums) and the [chunk, chunk, head_dim] decay tensors shrink 4x.
+    chunk size only regroups the same sums), and a bounded gate keeps every factor of the
+    pairwise decays finite within 16 tokens.
     """
     initial_dtype = query.dtype
     query, key, value, beta, g = (x.transpose(1, 2).contiguous().float() for x in (query, key, value, beta, g))
@@ -66,8 +70,21 @@ def chunk_kda_solve(
     eye = torch.eye(chunk_size, dtype=query.dtype, device=query.device)
     upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device), diagonal=0)
     strict_upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device), diagonal=1)
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict_upper[..., None], float("-inf")).exp()
-    lower = -(k_beta.unsqueeze(-2) * key.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
+    # Pairwise decays exp(g_i - g_j) factor through a reference point r inside the chunk as
+    # exp(g_i - g_r) * exp(g_r - g_j), which turns the [chunk, chunk, head_dim] products into
+    # matrix products. Each factor is at most exp(chunk's total log-decay), finite when the
+    # gate is bounded (GLM-5.3-Flash's safe gate: g >= -5 per token, so >= -80 per chunk). An
+    # unbounded gate whose chunk decays further takes the library's elementwise form.
+    if (g[..., -1, :] - g[..., 0, :]).min() > -_FACTOR_LIMIT:
+        reference = g[..., chunk_size // 2 : chunk_size // 2 + 1, :]
+        to_ref, from_ref = (g - reference).exp(), (reference - g).exp()
+        key_from_ref = (key * from_ref).transpose(-1, -2)
+        lower = -((k_beta * to_ref) @ key_from_ref).masked_fill(upper, 0)
+        intra = ((query * to_ref) @ key_from_ref).masked_fill(strict_upper, 0)
+    else:
+        decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict_upper[..., None], float("-inf")).exp()
+        lower = -(k_beta.unsqueeze(-2) * key.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
+        intra = (query.unsqueeze(-2) * key.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(strict_upper, 0)
     # (I - L) T = I, T unit lower triangular: the matrix the library's row loop builds.
     solved = torch.linalg.solve_triangular(eye - lower, eye.expand_as(lower), upper=False, unitriangular=True)
     value = solved @ v_beta
@@ -79,7 +96,6 @@ def chunk_kda_solve(
     )
     # Whole-tensor terms first; the loop keeps only what depends on the running state. Chunks are
     # taken with unbind (one backward node), not indexing (one full-size gradient per chunk).
-    intra = (query.unsqueeze(-2) * key.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(strict_upper, 0)
     q_decayed = query * g.exp()
     k_to_end = key * (g[..., -1:, :] - g).exp()
     outputs = []
