@@ -109,10 +109,27 @@ def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.
     return config, *model_from_config(config)
 
 
-def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
-    """hybridkv's own layout (what `hybridkv train` writes): a transformers config.json and one
-    model.safetensors holding the backbone under `model.` and the LM head under `lm_head.`. It is
-    how a bare `glm5_next_text` decoder is saved, since transformers has no causal-LM class for it."""
+_LAYOUT_PREFIXES = ("model.", "lm_head.")
+
+
+def write_with_head(directory: Path, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> None:
+    """hybridkv's own checkpoint layout (what `hybridkv train` writes): a transformers config.json
+    and one model.safetensors holding the backbone under `model.` and the LM head under `lm_head.`.
+    It is how a bare `glm5_next_text` decoder is saved, since transformers has no causal-LM class for it."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    tensors = {
+        prefix + key: value.contiguous()
+        for prefix, module in zip(_LAYOUT_PREFIXES, (backbone, lm_head), strict=True)
+        for key, value in module.state_dict().items()
+    }
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def read_with_head(directory: Path, backbone: nn.Module, lm_head: nn.Module, label: str) -> None:
+    """Load `write_with_head`'s weights into modules built from its config; every tensor must fit."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -123,18 +140,26 @@ def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module
             "(the layout `hybridkv train` writes), or save the multimodal Glm5NextForConditionalGeneration layout"
         )
     try:
-        config = AutoConfig.from_pretrained(directory)
         tensors = load_file(weights)
     except (OSError, ValueError, SafetensorError) as err:
         raise HybridKVError(f"{label}: unreadable weights in {directory} ({err})") from err
-    backbone, lm_head = model_from_config(config)
-    for prefix, module in (("model.", backbone), ("lm_head.", lm_head)):
+    for prefix, module in zip(_LAYOUT_PREFIXES, (backbone, lm_head), strict=True):
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         try:
             module.load_state_dict(state, strict=True)
         except RuntimeError as err:
             first = str(err).strip().splitlines()[0]
             raise HybridKVError(f"{label}: its weights do not match its config ({first})") from err
+
+
+def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+    """A checkpoint in `write_with_head`'s layout."""
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        raise HybridKVError(f"{label}: unreadable config in {directory} ({err})") from err
+    backbone, lm_head = model_from_config(config)
+    read_with_head(directory, backbone, lm_head, label)
     return config, backbone, lm_head
 
 

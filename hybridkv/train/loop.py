@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.loader import read_with_head, write_with_head
 from hybridkv.train import data
 from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
@@ -116,8 +116,20 @@ def _batch(examples: list[data.Example]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, answer
 
 
-def losses(model: Model, tokens: torch.Tensor, answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(language-model loss, answer loss, answer tokens all right per row) for a batch."""
+def answer_loss_by_task(per_row: torch.Tensor, examples: list[data.Example]) -> dict[str, float]:
+    """Mean answer loss per task in a batch (rows without answers have NaN and are left out)."""
+    by_task: dict[str, list[float]] = {}
+    for value, example in zip(per_row.tolist(), examples, strict=True):
+        if not math.isnan(value):
+            by_task.setdefault(example.task, []).append(value)
+    return {task: round(sum(values) / len(values), 4) for task, values in sorted(by_task.items())}
+
+
+def losses(
+    model: Model, tokens: torch.Tensor, answer: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(language-model loss, answer loss, answer tokens all right per row with answers, answer
+    loss per row: NaN where a row has none) for a batch."""
     logits = model(tokens[:, :-1])
     targets = tokens[:, 1:]
     per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
@@ -125,7 +137,8 @@ def losses(model: Model, tokens: torch.Tensor, answer: torch.Tensor) -> tuple[to
     lm = per_token.mean()
     answer_loss = per_token[on_answer].mean() if on_answer.any() else torch.zeros(())
     right = ((logits.argmax(-1) == targets) | ~on_answer).all(-1)
-    return lm, answer_loss, right[on_answer.any(-1)]
+    per_row = (per_token.detach() * on_answer).sum(-1) / on_answer.sum(-1)
+    return lm, answer_loss, right[on_answer.any(-1)], per_row
 
 
 def _checkpoint_dir(run_dir: Path) -> Path:
@@ -133,20 +146,11 @@ def _checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save_model(model: Model, config, directory: Path) -> None:
-    """config.json + model.safetensors (backbone under `model.`, head under `lm_head.`)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(directory)
-    tensors = {f"model.{k}": v.contiguous() for k, v in model.backbone.state_dict().items()}
-    tensors.update({f"lm_head.{k}": v.contiguous() for k, v in model.lm_head.state_dict().items()})
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    write_with_head(directory, config, model.backbone, model.lm_head)
 
 
 def load_weights(model: Model, directory: Path) -> None:
-    tensors = load_file(directory / "model.safetensors")
-    backbone = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    head = {k[len("lm_head.") :]: v for k, v in tensors.items() if k.startswith("lm_head.")}
-    model.backbone.load_state_dict(backbone)
-    model.lm_head.load_state_dict(head)
+    read_with_head(directory, model.backbone, model.lm_head, str(directory))
 
 
 def _save(run_dir: Path, model: Model, config, optimizer, step: int, generator: torch.Generator) -> None:
@@ -198,6 +202,12 @@ def plot(run_dir: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for key in ("lm", "answer", "indexer"):
         left.plot([r["step"] for r in steps], [r[key] for r in steps], label=key, linewidth=0.8)
+    # Per-task answer losses are noisy (a few rows per step): a running mean over 25 steps.
+    for task in sorted({t for r in steps for t in r.get("answer_by_task", {})}):
+        points = [(r["step"], r["answer_by_task"][task]) for r in steps if task in r.get("answer_by_task", {})]
+        smooth = [sum(v for _, v in points[max(0, i - 24) : i + 1]) / len(points[max(0, i - 24) : i + 1])
+                  for i in range(len(points))]  # fmt: skip
+        left.plot([x for x, _ in points], smooth, linestyle="--", linewidth=0.8, label=f"answer: {task}")
     left.set_yscale("log")
     left.set_xlabel("step")
     left.set_ylabel("loss (nats)")
@@ -232,14 +242,15 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
     for file in ("config.json", "model.safetensors"):
         shutil.copyfile(checkpoint / file, target / file)
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "lm" in r]
     last_step = json.loads((checkpoint / "state.json").read_text())["step"]
-    steps = [r for r in steps if r["step"] < last_step]
+    # A stretch that ended between checkpoints logged steps the next stretch ran again: the last
+    # row of each step is the one the weights went through.
+    steps = list({r["step"]: r for r in rows if "lm" in r and r["step"] < last_step}.values())
     evals = [r for r in rows if "eval" in r and r["step"] <= last_step]
     card = {
         "steps": last_step,
-        "tokens": sum(r.get("tokens", 0) for r in steps) or None,
-        "train_seconds": round(sum(r.get("seconds", 0) for r in steps), 1) or None,
+        "tokens": sum(r["tokens"] for r in steps),
+        "train_seconds": round(sum(r["seconds"] for r in steps), 1),
         "last_eval": evals[-1] if evals else None,
         "train_config": json.loads((run_dir / "train_config.json").read_text()),
         # Every start of the run (a fresh one, then each resumed stretch) with its config.
@@ -312,7 +323,7 @@ def train(config: TrainConfig) -> Path:
             for group in optimizer.param_groups:
                 group["lr"] = config.lr_at(step)
             began = time.perf_counter()
-            lm, answer_loss, right = losses(model, tokens, answer)
+            lm, answer_loss, right, per_row = losses(model, tokens, answer)
             aux = indexer_loss(recorder, config.indexer_queries, generator) if recorder.handles else torch.zeros(())
             loss = lm + config.answer_weight * answer_loss + config.indexer_weight * aux
             optimizer.zero_grad(set_to_none=True)
@@ -327,6 +338,7 @@ def train(config: TrainConfig) -> Path:
                 "answer": round(answer_loss.item(), 5),
                 "indexer": round(aux.item(), 5),
                 "answer_acc": round(right.float().mean().item(), 4) if right.numel() else None,
+                "answer_by_task": answer_loss_by_task(per_row, examples),
                 "grad_norm": round(norm.item(), 4),
                 "lr": config.lr_at(step),
                 "tokens": tokens.numel(),
