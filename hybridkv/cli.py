@@ -226,6 +226,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-at", type=int, default=None, help="end this stretch at this step (resume later)")
     train.add_argument("--tasks", default="", help="comma list of training tasks (default: the whole mix)")
     train.add_argument(
+        "--init", type=Path, default=None,
+        help="start a fresh run from these weights (a model directory, e.g. hybridkv/models/weights/tiny-glm5-next)",
+    )  # fmt: skip
+    train.add_argument(
         "--export", action="store_true",
         help="do not train: copy RUN_DIR's checkpoint weights into the package as the built-in MODEL",
     )  # fmt: skip
@@ -242,6 +246,7 @@ def _train(args: argparse.Namespace) -> None:
         model=args.model, run_dir=args.run_dir, seed=args.seed, schedule=parse_schedule(args.schedule),
         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_every=args.eval_every, save_every=args.save_every,
         threads=args.threads, stop_at=args.stop_at, tasks=tuple(t for t in args.tasks.split(",") if t),
+        init=args.init,
     )  # fmt: skip
     checkpoint = train(config)
     print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")

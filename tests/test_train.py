@@ -3,6 +3,7 @@ evaluation samples, and a resumed run is the run it would have been."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -213,6 +214,26 @@ def test_a_resumed_run_equals_the_uninterrupted_one_and_exports_a_loadable_model
     tokens = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(4))
     logits = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
     assert torch.isfinite(logits).all()
+
+
+def test_a_fresh_run_can_start_from_shipped_weights(tmp_path):
+    """--init loads a model directory's weights in place of the library's initialisation: at a zero
+    learning rate the run ends with exactly those weights, not its own seed's."""
+    from hybridkv.models.loader import write_with_head
+    from hybridkv.train.shapes import build
+
+    torch.manual_seed(123)
+    config, backbone, lm_head = build("tiny-glm5-next")
+    write_with_head(tmp_path / "init", config, backbone, lm_head)
+    run = dataclasses.replace(_tiny_run(tmp_path / "run"), lr=0.0, min_lr=0.0, init=tmp_path / "init")
+    train(run)
+    from safetensors.torch import load_file
+
+    start = dict(sorted(load_file(tmp_path / "init" / "model.safetensors").items()))
+    for (name, x), (_, y) in zip(start.items(), load_model_from_run(tmp_path / "run").items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(HybridKVError, match="model.safetensors"):
+        train(dataclasses.replace(run, run_dir=tmp_path / "other", init=tmp_path / "missing"))
 
 
 def load_model_from_run(run_dir) -> dict[str, torch.Tensor]:

@@ -58,6 +58,9 @@ class TrainConfig:
     save_every: int = 25
     threads: int = 0  # 0: torch's default
     stop_at: int | None = None  # end this stretch (after a save) at this step; run again to go on
+    # A fresh run starts from these weights (a model directory: a shipped tiny-* or an exported run)
+    # instead of the library's initialisation; checkpoints of earlier sessions do not outlive them.
+    init: Path | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -296,6 +299,8 @@ def train(config: TrainConfig) -> Path:
     generator = torch.Generator().manual_seed(config.seed)
     start = 0
     checkpoint = _checkpoint_dir(run_dir)
+    if config.init is not None and not checkpoint.exists():
+        load_weights(model, Path(config.init))
     if checkpoint.exists():
         load_weights(model, checkpoint)
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
