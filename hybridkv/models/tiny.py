@@ -4,8 +4,8 @@ Two kinds, both with a 512-token byte vocabulary (`hybridkv.models.tokenizer.Byt
 
 - `tiny-*` (TRAINED_MODELS): weights trained by `hybridkv train` and shipped in the package
   (`weights/<name>/`: a transformers config.json and model.safetensors). They read their
-  context, so task scores, retention and PGR mean something. None ships yet: training on this
-  CPU has not got past the retrieval plateau (see the README's training section).
+  context, so task scores, retention and PGR mean something (the README's model cards give their
+  RULER scores). `tiny-glm5-next` ships and is the default.
 - `random-*` (RANDOM_MODELS): a transformers config with the same layer pattern and mechanisms
   as the real model (layer kinds, NoPE/RoPE, MoE, hyper-connections, DSA indexer), a few million
   parameters, weights from the model library's own initialisation under a fixed seed, identical
@@ -187,5 +187,5 @@ TRAINED_MODELS: dict[str, Path] = {
     path.name: path for path in sorted(WEIGHTS_DIR.glob("tiny-*")) if (path / "model.safetensors").is_file()
 }
 BUILTIN_MODELS = (*TRAINED_MODELS, *RANDOM_MODELS)
-# The default stays the random-weight GLM shape until a trained tiny-glm5-next ships (issue 12).
-DEFAULT_MODEL = "random-glm5-next"
+# The trained GLM-5.3-Flash shape: the one built-in model whose task scores mean something.
+DEFAULT_MODEL = "tiny-glm5-next"
