@@ -227,7 +227,13 @@ def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     expected = {"workload", "task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95",
                 "recomputed_layer_tokens", "kv_bytes", "state_bytes", "ttft_s", "build_s"}  # fmt: skip
-    assert all(expected <= row.keys() for row in summary["rows"]) and len(summary["rows"]) == 6
+    assert all(expected <= row.keys() for row in summary["rows"]) and len(summary["rows"]) == 6 + 3
+    # One "overall" row per method pools both tasks' samples.
+    for method in ("no-context", "full", "tail-replay"):
+        per_task = [r for r in summary["rows"] if r["method"] == method and r["task"] != "overall"]
+        (overall,) = [r for r in summary["rows"] if r["method"] == method and r["task"] == "overall"]
+        assert overall["n"] == sum(r["n"] for r in per_task)
+        assert overall["score"] == pytest.approx(sum(r["score"] * r["n"] for r in per_task) / overall["n"])
     samples_before = (out / "samples.jsonl").read_bytes()
     assert main(argv) == 0  # a second run finds everything done
     assert read_rows(out / "results.jsonl") == rows
@@ -263,4 +269,4 @@ def test_arena_runs_longbench_from_a_local_copy_and_rescores_with_its_classes(tm
     assert len(rows) == 2 * 2 * 3
     assert all(r["score_meta"]["all_classes"] == records["trec"]["all_classes"] for r in rows if r["task"] == "trec")
     assert main(["arena", "score", str(out)]) == 0  # trec rescoring needs the stored classes
-    assert {r["task"] for r in json.loads((out / "summary.json").read_text())["rows"]} == {"hotpotqa", "trec"}
+    assert {r["task"] for r in json.loads((out / "summary.json").read_text())["rows"]} == {"hotpotqa", "trec", "overall"}

@@ -34,11 +34,23 @@ def agreement(prediction: str, reference: str) -> float:
     return same / len(reference) if reference else 0.0
 
 
+OVERALL = "overall"
+
+
 def summarise(rows: list[dict]) -> dict:
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for row in rows:
         key = (row["workload"], row["task"], row["length"], row["method"], row["budget"])
         groups[key][row["id"]] = row  # a resumed run never holds two rows per id; keep the last
+    # Where a run holds several tasks at one length, an "overall" row pools their samples (each task
+    # weighs by its sample count), with its own paired bootstrap CI over the pooled samples.
+    tasks_at: dict[tuple, set[str]] = defaultdict(set)
+    for workload, task, length, _, _ in groups:
+        tasks_at[(workload, length)].add(task)
+    for (workload, task, length, method, budget), samples in list(groups.items()):
+        if len(tasks_at[(workload, length)]) > 1:
+            pooled = groups[(workload, OVERALL, length, method, budget)]
+            pooled.update({f"{task}|{i}": row for i, row in samples.items()})
     by_setting: dict[tuple, dict[str, dict[str, dict]]] = defaultdict(dict)
     for (workload, task, length, method, budget), samples in groups.items():
         by_setting[(workload, task, length)][f"{method}|{budget}"] = samples
