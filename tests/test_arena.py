@@ -269,4 +269,5 @@ def test_arena_runs_longbench_from_a_local_copy_and_rescores_with_its_classes(tm
     assert len(rows) == 2 * 2 * 3
     assert all(r["score_meta"]["all_classes"] == records["trec"]["all_classes"] for r in rows if r["task"] == "trec")
     assert main(["arena", "score", str(out)]) == 0  # trec rescoring needs the stored classes
-    assert {r["task"] for r in json.loads((out / "summary.json").read_text())["rows"]} == {"hotpotqa", "trec", "overall"}
+    summary_rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert {r["task"] for r in summary_rows} == {"hotpotqa", "trec", "overall"}
