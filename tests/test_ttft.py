@@ -13,8 +13,8 @@ from hybridkv.models.cost import cost_model
 
 def test_ttft_rows_carry_the_bound_of_each_methods_recomputed_span(tmp_path, capsys):
     out = tmp_path / "ttft"
-    args = ["ttft", "--prefix-lengths", "200", "--budgets", "0.1", "--suffix-length", "8", "--checkpoint-interval",
-            "64", "--repeats", "1", "--out", str(out), "--no-progress"]  # fmt: skip
+    args = ["ttft", "--model", "random-glm5-next", "--prefix-lengths", "200", "--budgets", "0.1", "--suffix-length",
+            "8", "--checkpoint-interval", "64", "--repeats", "1", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(args) == 0
     rows = {(r["method"], r["budget"]): r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert set(rows) == {("full", None), ("tail-replay", 0.1), ("tail-replay-recompute", 0.1), ("checkpoint", None),
