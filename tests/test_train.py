@@ -227,19 +227,21 @@ def test_a_fresh_run_can_start_from_shipped_weights(tmp_path):
     write_with_head(tmp_path / "init", config, backbone, lm_head)
     run = dataclasses.replace(_tiny_run(tmp_path / "run"), lr=0.0, min_lr=0.0, init=tmp_path / "init")
     train(run)
-    from safetensors.torch import load_file
-
-    start = dict(sorted(load_file(tmp_path / "init" / "model.safetensors").items()))
+    start = load_weights_file(tmp_path / "init" / "model.safetensors")
     for (name, x), (_, y) in zip(start.items(), load_model_from_run(tmp_path / "run").items(), strict=True):
         assert torch.equal(x, y), name
     with pytest.raises(HybridKVError, match="model.safetensors"):
         train(dataclasses.replace(run, run_dir=tmp_path / "other", init=tmp_path / "missing"))
 
 
-def load_model_from_run(run_dir) -> dict[str, torch.Tensor]:
+def load_weights_file(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return dict(sorted(load_file(run_dir / "checkpoint" / "model.safetensors").items()))
+    return dict(sorted(load_file(path).items()))
+
+
+def load_model_from_run(run_dir) -> dict[str, torch.Tensor]:
+    return load_weights_file(run_dir / "checkpoint" / "model.safetensors")
 
 
 def test_only_glm5_attention_layers_get_an_indexer_loss():

@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen
 import matplotlib.pyplot as plt  # noqa: E402
 
+from hybridkv.eval.summary import OVERALL  # noqa: E402
+
 COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
            "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
 
@@ -142,7 +144,7 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
     summary = json.loads((out_dir / "summary.json").read_text())
     rows = summary["rows"]
     # The plots average over tasks themselves; the pooled "overall" rows stay in the tables only.
-    per_task = [row for row in rows if row["task"] != "overall"]  # hybridkv.eval.summary.OVERALL
+    per_task = [row for row in rows if row["task"] != OVERALL]
     for name, plot in PLOTS.items():
         plot(per_task, out_dir / name)
     table_md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -299,9 +299,9 @@ def train(config: TrainConfig) -> Path:
     generator = torch.Generator().manual_seed(config.seed)
     start = 0
     checkpoint = _checkpoint_dir(run_dir)
-    if config.init is not None and not checkpoint.exists():
+    if not checkpoint.exists() and config.init is not None:
         load_weights(model, Path(config.init))
-    if checkpoint.exists():
+    elif checkpoint.exists():
         load_weights(model, checkpoint)
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
         rng = torch.load(checkpoint / "rng.pt")
