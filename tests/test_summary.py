@@ -43,6 +43,19 @@ def test_agreement_with_full_is_how_far_into_full_prefills_answer_a_method_agree
     assert agreement("0.0 and more", "0.0") == 1.0 and agreement("", "0.0") == 0.0
 
 
+def test_same_as_full_counts_only_answers_equal_to_full_prefills_to_the_end():
+    # An answer that holds full prefill's and runs on past it agrees in full but is not the same answer.
+    rows = [
+        row(0, "full", 1.0), row(1, "full", 1.0), row(2, "full", 1.0), row(3, "full", 1.0),
+        {**row(0, "zero-state", 1.0), "prediction": "1.0\nThe grass is green."}, row(1, "zero-state", 1.0),
+        {**row(2, "zero-state", 0.0), "prediction": "2.0"}, row(3, "zero-state", 1.0),
+    ]  # fmt: skip
+    summary = {r["method"]: r for r in summarise(rows)["rows"]}
+    assert summary["zero-state"]["same_as_full"] == pytest.approx(2 / 4)
+    assert summary["zero-state"]["agreement_with_full"] == pytest.approx((1 + 1 + 0 + 1) / 4)
+    assert summary["full"]["same_as_full"] == 1.0
+
+
 def test_pgr_is_undefined_when_the_oracle_does_not_beat_the_floor():
     rows = [row(0, "no-context", 0.5), row(0, "full", 0.5), row(0, "zero-state", 0.5)]
     for summary_row in summarise(rows)["rows"]:

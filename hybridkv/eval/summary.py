@@ -3,7 +3,9 @@
 For each (workload, task, length, method, budget): n, mean score, retention against full
 prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
 full-prefill oracle on the same samples — with a paired bootstrap 95% CI, how far into full
-prefill's answer each method agrees with it (`agreement_with_full`), plus the cost means
+prefill's answer each method agrees with it (`agreement_with_full`), the share of answers equal
+to full prefill's to the last token (`same_as_full`: a task score that credits any answer holding
+the gold misses an answer that runs on past its end), plus the cost means
 (token and byte counts) and medians (times).
 """
 
@@ -87,6 +89,9 @@ def summarise(rows: list[dict]) -> dict:
                     agreement(samples[i]["prediction"], oracle[i]["prediction"]) for i in matched
                 )
                 if (matched := [i for i in ids if i in oracle])
+                else None,
+                "same_as_full": statistics.fmean(samples[i]["prediction"] == oracle[i]["prediction"] for i in matched)
+                if matched
                 else None,
                 "pgr_ci95": list(ci)
                 if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from hybridkv.eval.summary import OVERALL  # noqa: E402
 
 COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
-           "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
+           "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
 
 
 def _label(row: dict) -> str:
@@ -155,7 +155,7 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
         "Scores are recomputed from the stored predictions. Retention = method / full prefill; PGR = (method − "
         "no-context floor) / (full − floor), undefined when full does not beat the floor by 1e-3; CIs are paired "
         "bootstrap 95%; agreement_with_full is the share of full prefill's answer a method reproduces before its "
-        "first difference.",
+        "first difference; same_as_full the share of answers equal to full prefill's to the end.",
         "",
         *(f"![{name}]({name})" for name in PLOTS),
         "",
