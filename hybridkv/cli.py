@@ -112,7 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--methods",
         default="no-context,full,zero-state,checkpoint,tail-replay",
-        help="methods (no-context is the PGR floor, full the oracle; entry-point methods work too)",
+        help="methods (no-context is the PGR floor, full the oracle; entry-point methods work too); "
+        "NAME@BUDGET runs a budgeted method at that budget only, e.g. tail-replay-recompute@0.05",
     )
     run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
@@ -410,7 +411,7 @@ def _arena(args: argparse.Namespace) -> None:
         write_summary()
         return
 
-    from hybridkv.eval.arena import ArenaPlan, run_arena
+    from hybridkv.eval.arena import ArenaPlan, method_grid, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
     from hybridkv.eval.workloads import workload_module
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
@@ -422,8 +423,9 @@ def _arena(args: argparse.Namespace) -> None:
     workload = workload_module(args.workload)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    method_grid(ArenaPlan(args.workload, methods, budgets))  # bad NAME@BUDGET entries fail before any work
     for name in methods:
-        get_arena_method(name, budgets[0] if budgets else None)  # unknown names fail before any work
+        get_arena_method(name.partition("@")[0], budgets[0] if budgets else None)  # so do unknown names
     tasks = (
         [t.strip() for t in args.tasks.split(",")]
         if args.tasks

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.arena import ArenaPlan, read_rows, run_arena
+from hybridkv.eval.arena import ArenaPlan, method_grid, read_rows, run_arena
 from hybridkv.eval.contract import ArenaConfig, available_methods, get_arena_method
 from hybridkv.eval.workloads import Sample
 from hybridkv.methods import Budget
@@ -209,6 +209,19 @@ def test_unknown_and_budgetless_methods_are_clear_errors():
         get_arena_method("nope", None)
     with pytest.raises(HybridKVError, match="needs a budget"):
         get_arena_method("tail-replay", None)
+
+
+def test_a_pinned_budget_runs_that_method_at_that_budget_only():
+    plan = ArenaPlan("toy", ["full", "tail-replay", "seeded-replay@0.2", "adaptive-replay@64tok"],
+                     [Budget(fraction=0.02), Budget(fraction=0.05)])  # fmt: skip
+    assert method_grid(plan) == [
+        ("full", None), ("tail-replay", Budget(fraction=0.02)), ("tail-replay", Budget(fraction=0.05)),
+        ("seeded-replay", Budget(fraction=0.2)), ("adaptive-replay", Budget(tokens=64)),
+    ]  # fmt: skip
+    with pytest.raises(HybridKVError, match="takes no budget"):
+        method_grid(ArenaPlan("toy", ["full@0.05"]))
+    with pytest.raises(HybridKVError, match="not a number"):
+        method_grid(ArenaPlan("toy", ["tail-replay@half"]))
 
 
 def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):

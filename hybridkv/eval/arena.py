@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hybridkv.errors import HybridKVError
 from hybridkv.eval.contract import ArenaConfig, Built, CaptureCache, get_arena_method
 from hybridkv.eval.jsonl import read_jsonl
 from hybridkv.methods import Budget
@@ -41,12 +42,17 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
+    """(method, budget) settings: each budgeted method at every plan budget, or at the one its
+    entry pins (`tail-replay-recompute@0.05`), so a table need not be a full product."""
     from hybridkv.methods import METHODS
 
     grid = []
-    for name in plan.methods:
+    for entry in plan.methods:
+        name, _, pinned = entry.partition("@")
         uses_budget = METHODS[name].uses_budget if name in METHODS else False
-        for budget in plan.budgets if uses_budget else [None]:
+        if pinned and not uses_budget:
+            raise HybridKVError(f"method {name!r} takes no budget, so {entry!r} names none to run")
+        for budget in ([Budget.parse(pinned)] if pinned else plan.budgets) if uses_budget else [None]:
             grid.append((name, budget))
     return grid
 
