@@ -218,18 +218,24 @@ def test_a_resumed_run_equals_the_uninterrupted_one_and_exports_a_loadable_model
 
 def test_a_fresh_run_can_start_from_shipped_weights(tmp_path):
     """--init loads a model directory's weights in place of the library's initialisation: at a zero
-    learning rate the run ends with exactly those weights, not its own seed's."""
+    learning rate the run ends with exactly those weights, not its own seed's; exported over that
+    same directory, its card still holds the history of the weights it started from."""
     from hybridkv.models.loader import write_with_head
     from hybridkv.train.shapes import build
 
     torch.manual_seed(123)
     config, backbone, lm_head = build("tiny-glm5-next")
-    write_with_head(tmp_path / "init", config, backbone, lm_head)
-    run = dataclasses.replace(_tiny_run(tmp_path / "run"), lr=0.0, min_lr=0.0, init=tmp_path / "init")
+    init = tmp_path / "tiny-test"
+    write_with_head(init, config, backbone, lm_head)
+    history = {"steps": 7, "train_config": {"model": "tiny-glm5-next", "run_dir": "earlier"}}
+    (init / "training.json").write_text(json.dumps(history))
+    run = dataclasses.replace(_tiny_run(tmp_path / "run"), lr=0.0, min_lr=0.0, init=init)
     train(run)
-    start = load_weights_file(tmp_path / "init" / "model.safetensors")
+    start = load_weights_file(init / "model.safetensors")
     for (name, x), (_, y) in zip(start.items(), load_model_from_run(tmp_path / "run").items(), strict=True):
         assert torch.equal(x, y), name
+    card = json.loads((export(tmp_path / "run", "tiny-test", root=tmp_path) / "training.json").read_text())
+    assert card["steps"] == 4 and card["init_training"] == history
     with pytest.raises(HybridKVError, match="model.safetensors"):
         train(dataclasses.replace(run, run_dir=tmp_path / "other", init=tmp_path / "missing"))
 

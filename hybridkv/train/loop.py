@@ -259,6 +259,8 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
         # Every start of the run (a fresh one, then each resumed stretch) with its config.
         "stretches": [json.loads(line) for line in (run_dir / "stretches.jsonl").read_text().splitlines() if line],
     }
+    if (run_dir / "init_training.json").is_file():  # a run started with --init: the weights' history before it
+        card["init_training"] = json.loads((run_dir / "init_training.json").read_text())
     (target / "training.json").write_text(json.dumps(card, indent=1) + "\n")
     if (run_dir / "loss.png").exists():
         shutil.copyfile(run_dir / "loss.png", target / "loss.png")
@@ -301,6 +303,10 @@ def train(config: TrainConfig) -> Path:
     checkpoint = _checkpoint_dir(run_dir)
     if not checkpoint.exists() and config.init is not None:
         load_weights(model, Path(config.init))
+        # The init's own record travels with the run: its directory may be the very one this run's
+        # export overwrites, and the card must still say how the weights were made before this run.
+        if (Path(config.init) / "training.json").is_file():
+            shutil.copyfile(Path(config.init) / "training.json", run_dir / "init_training.json")
     elif checkpoint.exists():
         load_weights(model, checkpoint)
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
