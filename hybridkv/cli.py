@@ -423,9 +423,8 @@ def _arena(args: argparse.Namespace) -> None:
     workload = workload_module(args.workload)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
-    method_grid(ArenaPlan(args.workload, methods, budgets))  # bad NAME@BUDGET entries fail before any work
-    for name in methods:
-        get_arena_method(name.partition("@")[0], budgets[0] if budgets else None)  # so do unknown names
+    for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
+        get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
     tasks = (
         [t.strip() for t in args.tasks.split(",")]
         if args.tasks

@@ -70,6 +70,7 @@ def summarise(rows: list[dict]) -> dict:
         floor_scores = [floor[i]["score"] for i in paired]
         oracle_mean = statistics.fmean(oracle_scores) if paired else None
         floor_mean = statistics.fmean(floor_scores) if paired else None
+        matched = [i for i in ids if i in oracle]  # samples full prefill also answered
         summary.append(
             {
                 "workload": workload,
@@ -79,8 +80,8 @@ def summarise(rows: list[dict]) -> dict:
                 "budget": budget,
                 "n": len(ids),
                 "score": mean,
-                "retention": retention(mean, statistics.fmean(oracle[i]["score"] for i in ids if i in oracle))
-                if any(i in oracle for i in ids)
+                "retention": retention(mean, statistics.fmean(oracle[i]["score"] for i in matched))
+                if matched
                 else None,
                 "pgr": pgr(statistics.fmean(method_scores), floor_mean, oracle_mean) if paired else None,
                 # How far into full prefill's answer the method agrees with it: telling even where
@@ -88,7 +89,7 @@ def summarise(rows: list[dict]) -> dict:
                 "agreement_with_full": statistics.fmean(
                     agreement(samples[i]["prediction"], oracle[i]["prediction"]) for i in matched
                 )
-                if (matched := [i for i in ids if i in oracle])
+                if matched
                 else None,
                 "same_as_full": statistics.fmean(samples[i]["prediction"] == oracle[i]["prediction"] for i in matched)
                 if matched
