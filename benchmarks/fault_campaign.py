@@ -125,8 +125,8 @@ def main() -> None:
             wrong_hit = hit is not None and (
                 not torch.equal(hit.cached.tokens[:length], cached.tokens[:length])
                 or any(
-                    not torch.equal(hit.cached.kv_prefix(model, length)[layer][name], tensor)
-                    for layer, tensors in cached.kv_prefix(model, length).items()
+                    not torch.equal(hit.cached.kv_prefix(length)[layer][name], tensor)
+                    for layer, tensors in cached.kv_prefix(length).items()
                     for name, tensor in tensors.items()
                 )
             )

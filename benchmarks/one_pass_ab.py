@@ -14,16 +14,17 @@ import time
 
 from common import cached_hit, parser
 
-from hybridkv.cache import assemble_cache, set_attention
+from hybridkv.cache import assemble_cache
 from hybridkv.methods import Budget, execute, get_method
 from hybridkv.models import load_model
+from hybridkv.models.adapter import write_kv
 
 
 def two_pass(model, prompt, hit, recipe):
     n, s = recipe.exact_kv_tokens, recipe.state_position
-    cache = assemble_cache(model, hit.cached.kv_prefix(model, s), None)
+    cache = assemble_cache(model, hit.cached.kv_prefix(s), None)
     model.forward(prompt[s:n], cache, start=s)
-    set_attention(cache, hit.cached.kv_prefix(model, n))
+    write_kv(cache, hit.cached.kv_prefix(n))
     return model.forward(prompt[n:], cache, start=n, logits_to_keep=1)
 
 

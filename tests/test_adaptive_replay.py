@@ -17,6 +17,7 @@ from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.methods import Budget, dropped_state_bound, execute, get_method
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
 from hybridkv.models import RANDOM_MODELS
+from hybridkv.models.adapter import read_states
 from hybridkv.models.decay import DECAY_CHUNK
 from hybridkv.store import GuardedStore, open_store
 from tests.conftest import random_tokens
@@ -46,11 +47,17 @@ def test_first_layer_state_error_obeys_the_decay_bound(captured, name):
     assert first == 0  # its inputs during the replay are exact, so only the dropped state differs
     true_start, true_end = cached.checkpoints[START], cached.checkpoints[END]
     # Drop only the recurrent state at START (keep the conv window), then replay [START, END).
-    states = {index: LinearState(state.conv, torch.zeros_like(state.recurrent)) for index, state in true_start.items()}
-    cache = assemble_cache(model, cached.kv_prefix(model, START), states)
+    states = {
+        index: LinearState(
+            {name: torch.zeros_like(t) if name.startswith("recurrent") else t for name, t in s.tensors.items()}
+        )
+        for index, s in true_start.items()
+    }
+    cache = assemble_cache(model, cached.kv_prefix(START), states)
     model.forward(tokens[START:END], cache, start=START)
-    error = (true_end[first].recurrent - cache.layers[first].recurrent_states[0]).double()[0]  # [H, ...]
-    dropped = true_start[first].recurrent.double()[0]
+    replayed = read_states(model.description, cache)[first]["recurrent.0"]
+    error = (true_end[first]["recurrent.0"] - replayed).double()[0]  # [H, ...]
+    dropped = true_start[first]["recurrent.0"].double()[0]
     per_head_bound = cached.decay.log_decay[START // DECAY_CHUNK : END // DECAY_CHUNK, 0].double().sum(0).exp()
     ratio = error.flatten(1).norm(dim=1) / dropped.flatten(1).norm(dim=1)
     assert ratio.shape == per_head_bound.shape

@@ -15,11 +15,10 @@ from hybridkv.cache import (
     PrefixIndex,
     assemble_cache,
     capture_prompt,
-    read_attention,
-    read_linear_states,
 )
 from hybridkv.methods import Budget
 from hybridkv.models import RANDOM_MODELS
+from hybridkv.models.adapter import read_kv, read_states
 from tests.helpers import lcp
 
 NAMES = list(RANDOM_MODELS)
@@ -161,7 +160,7 @@ def test_kv_prefix_is_a_view_of_the_first_n_tokens(models, make_workload, name):
     assert len(cached) == 45
     assert set(cached.attention) == set(model.description.attention_layers)
     for n in (0, 1, 17, 45):
-        prefix = cached.kv_prefix(model, n)
+        prefix = cached.kv_prefix(n)
         assert prefix.keys() == cached.attention.keys()
         for layer, tensors in cached.attention.items():
             assert prefix[layer].keys() == tensors.keys()
@@ -175,7 +174,7 @@ def test_kv_prefix_is_a_view_of_the_first_n_tokens(models, make_workload, name):
                     assert part.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
                     assert part.data_ptr() == full.data_ptr()
     with pytest.raises(ValueError):
-        cached.kv_prefix(model, 46)
+        cached.kv_prefix(46)
 
 
 @pytest.mark.parametrize(
@@ -234,16 +233,17 @@ def test_checkpoints_equal_single_pass_prefill_states(models, make_workload, nam
     assert sorted(cached.checkpoints) == [48, 96, 144, 192]
     for position, states in cached.checkpoints.items():
         cache, _ = _single_pass(model, tokens[:position])
-        reference = read_linear_states(model, cache)
+        reference = read_states(model.description, cache)
         assert states.keys() == reference.keys()
         for layer in reference:
-            for part in ("conv", "recurrent"):
-                got, want = getattr(states[layer], part), getattr(reference[layer], part)
+            assert states[layer].tensors.keys() == reference[layer].tensors.keys()
+            for part in reference[layer].tensors:
+                got, want = states[layer][part], reference[layer][part]
                 assert got.shape == want.shape and got.dtype == want.dtype
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # the chunked capture's attention KV is the one-pass KV too (up to float reassociation)
     cache, _ = _single_pass(model, tokens)
-    one_pass = read_attention(model, cache)
+    one_pass = read_kv(model.description, cache)
     for layer, tensors in one_pass.items():
         for tensor_name, want in tensors.items():
             torch.testing.assert_close(cached.attention[layer][tensor_name], want, atol=1e-4, rtol=1e-4)
@@ -254,7 +254,7 @@ def test_checkpoints_are_snapshots_not_live_references(models, make_workload):
     tokens, _ = make_workload(matched=0, prompt_len=1, cached_len=96, seed=6)
     cached = capture_prompt(model, tokens, checkpoint_interval=32)
     first, last = cached.checkpoints[32], cached.checkpoints[96]
-    assert any(not torch.equal(first[i].recurrent, last[i].recurrent) for i in first)
+    assert any(not torch.equal(first[i]["recurrent.0"], last[i]["recurrent.0"]) for i in first)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -264,15 +264,14 @@ def test_continuing_from_cached_checkpoint_equals_one_pass(models, make_workload
     cached = capture_prompt(model, tokens, checkpoint_interval=INTERVAL)
     _, reference = _single_pass(model, tokens, logits_to_keep=CAPTURE_LEN)
     for position in (48, 144):
-        before = {i: (s.conv.clone(), s.recurrent.clone()) for i, s in cached.checkpoints[position].items()}
-        cache = assemble_cache(model, cached.kv_prefix(model, position), cached.checkpoints[position])
+        before = {i: s.clone() for i, s in cached.checkpoints[position].items()}
+        cache = assemble_cache(model, cached.kv_prefix(position), cached.checkpoints[position])
         assert cache.get_seq_length() == position
         logits = model.forward(tokens[position:], cache, start=position, logits_to_keep=CAPTURE_LEN - position)
         torch.testing.assert_close(logits, reference[position:], atol=1e-4, rtol=0)
         # the stored checkpoint is left untouched by the assembly and the continued forward
-        for i, (conv, recurrent) in before.items():
-            assert torch.equal(cached.checkpoints[position][i].conv, conv)
-            assert torch.equal(cached.checkpoints[position][i].recurrent, recurrent)
+        for i, state in before.items():
+            assert cached.checkpoints[position][i].equal(state)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -283,8 +282,8 @@ def test_continuing_from_exact_state_at_any_position_equals_one_pass(models, mak
     _, reference = _single_pass(model, tokens, logits_to_keep=150)
     position = 61
     prefix_cache, _ = _single_pass(model, tokens[:position])
-    kv = {layer: {k: v.clone() for k, v in t.items()} for layer, t in read_attention(model, prefix_cache).items()}
-    states = read_linear_states(model, prefix_cache)
+    kv = read_kv(model.description, prefix_cache).clone()
+    states = read_states(model.description, prefix_cache)
     cache = assemble_cache(model, kv, states)
     logits = model.forward(tokens[position:], cache, start=position, logits_to_keep=150 - position)
     torch.testing.assert_close(logits, reference[position:], atol=1e-4, rtol=0)

@@ -281,11 +281,8 @@ def test_decoding_from_an_exact_outcome_matches_full_prefill(scenario, name):
 @pytest.mark.parametrize("name", ["random-glm5-next", "random-qwen3-next", "random-nemotron-h"])
 def test_execute_leaves_the_cached_prompt_untouched(scenario, name):
     s = scenario(name, 140)
-    kv_before = {i: {k: v.clone() for k, v in t.items()} for i, t in s.cached.attention.items()}
-    states_before = {
-        p: {i: (st.conv.clone(), st.recurrent.clone()) for i, st in states.items()}
-        for p, states in s.cached.checkpoints.items()
-    }
+    kv_before = s.cached.attention.clone()
+    states_before = {p: {i: st.clone() for i, st in states.items()} for p, states in s.cached.checkpoints.items()}
     runs = [
         ("seeded-replay", Budget(fraction=0.25)),
         ("checkpoint", None),
@@ -298,9 +295,8 @@ def test_execute_leaves_the_cached_prompt_untouched(scenario, name):
         for k, v in tensors.items():
             assert torch.equal(s.cached.attention[i][k], v), (i, k)
     for p, states in states_before.items():
-        for i, (conv, recurrent) in states.items():
-            assert torch.equal(s.cached.checkpoints[p][i].conv, conv)
-            assert torch.equal(s.cached.checkpoints[p][i].recurrent, recurrent)
+        for i, state in states.items():
+            assert s.cached.checkpoints[p][i].equal(state)
     # and running again gives bitwise the same answer
     for m, b in runs:
         assert torch.equal(s.run(m, b).logits, first[m]), m
@@ -309,16 +305,13 @@ def test_execute_leaves_the_cached_prompt_untouched(scenario, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_exact_kv_replay_keeps_the_cached_kv_and_leaves_a_plain_cache(scenario, name):
     """Replay and suffix run in one pass, yet attention ends up holding the cached KV of [0, L)."""
-    from hybridkv.models.describe import token_tensors
-
     s = scenario(name, 140)
     outcome = s.run("tail-replay", Budget(fraction=0.3))
-    kinds = {spec.index: spec.kind for spec in s.model.description.layers}
     recompute = s.run("tail-replay-recompute", Budget(fraction=0.3))
     for index, tensors in s.cached.attention.items():
         layer = outcome.cache.layers[index]
-        assert "update" not in vars(layer) and "update_indexer" not in vars(layer)  # wrappers removed
-        for tensor_name, dim in token_tensors(kinds[index]).items():
+        assert not layer.pending  # every splice was consumed, none is left for decoding
+        for tensor_name, dim in s.model.description.token_tensors(index).items():
             held = getattr(layer, tensor_name)
             assert held.shape[dim] == PROMPT_LEN
             assert torch.equal(held.narrow(dim, 0, s.matched), tensors[tensor_name].narrow(dim, 0, s.matched))

@@ -74,9 +74,12 @@ def test_linear_and_attention_specs_are_consistent(models, name):
     for spec in models[name].description.layers:
         if spec.kind == "linear":
             assert spec.state_bytes > 0 and spec.kv_bytes_per_token == 0
-            assert spec.recurrent_shape and spec.conv_shape
+            # the five built-ins each keep one conv window and one recurrent state per linear layer
+            assert [name for name, _, _ in spec.state_tensors] == ["conv.0", "recurrent.0"]
+            assert not spec.token_dims
         elif spec.kind in ("attention", "indexed_attention"):
             assert spec.kv_bytes_per_token > 0 and spec.state_bytes == 0
+            assert dict(spec.token_dims).keys() >= {"keys", "values"} and not spec.state_tensors
         else:
             assert spec.state_bytes == 0 and spec.kv_bytes_per_token == 0
 

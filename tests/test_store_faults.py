@@ -108,7 +108,7 @@ def hit_is_correct(model, hit, prompt: torch.Tensor, truth) -> bool:
     n = hit.length
     if not 0 < n < prompt.numel() or not torch.equal(hit.cached.tokens[:n], prompt[:n]):
         return False
-    got, want = hit.cached.kv_prefix(model, n), truth.kv_prefix(model, n)
+    got, want = hit.cached.kv_prefix(n), truth.kv_prefix(n)
     if got.keys() != want.keys():
         return False
     for layer in want:
@@ -122,7 +122,7 @@ def hit_is_correct(model, hit, prompt: torch.Tensor, truth) -> bool:
             return False
         for layer, state in states.items():
             expected = truth.checkpoints[position][layer]
-            if not (torch.equal(state.conv, expected.conv) and torch.equal(state.recurrent, expected.recurrent)):
+            if not state.equal(expected):
                 return False
     return True
 

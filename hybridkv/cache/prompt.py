@@ -12,34 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from hybridkv.models.adapter import read_kv, read_states
 from hybridkv.models.decay import DecaySummary, record_decay, summarise
+from hybridkv.models.kv import LinearState, LinearStates, PromptKV
 from hybridkv.models.loader import HybridModel
 
-
-@dataclass(frozen=True)
-class LinearState:
-    """One linear layer's state after some token: short-conv window and recurrent/SSM state."""
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
-
-
-# layer index -> tensor name -> tensor (token dimension as in `token_tensors`)
-AttentionKV = dict[int, dict[str, torch.Tensor]]
-# layer index -> state
-LinearStates = dict[int, LinearState]
+__all__ = ["CachedPrompt", "LinearState", "LinearStates", "PromptKV", "capture_prompt"]
 
 
 @dataclass
 class CachedPrompt:
     tokens: torch.Tensor  # 1-D int64
-    attention: AttentionKV
+    attention: PromptKV
     checkpoints: dict[int, LinearStates] = field(default_factory=dict)  # position -> states
     checkpoint_interval: int | None = None
     decay: DecaySummary | None = None  # how fast each linear layer forgot over each chunk (adaptive-replay)
@@ -47,18 +32,18 @@ class CachedPrompt:
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    def kv_prefix(self, model: HybridModel, n: int) -> AttentionKV:
+    def kv_prefix(self, n: int) -> PromptKV:
         """Views (no copies) of the attention KV of tokens [0, n)."""
-        return self.kv_range(model, 0, n)
+        return self.kv_range(0, n)
 
-    def kv_range(self, model: HybridModel, start: int, end: int) -> AttentionKV:
+    def kv_range(self, start: int, end: int) -> PromptKV:
         """Views (no copies) of the attention KV of tokens [start, end)."""
         if not 0 <= start <= end <= len(self):
             raise ValueError(f"tokens [{start}, {end}) asked from a cached prompt of {len(self)}")
-        return kv_slice(model, self.attention, start, end)
+        return self.attention.narrow(start, end)
 
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for tensors in self.attention.values() for t in tensors.values())
+        return self.attention.nbytes
 
     def state_bytes(self) -> int:
         return sum(state.nbytes for states in self.checkpoints.values() for state in states.values())
@@ -66,36 +51,6 @@ class CachedPrompt:
     def last_checkpoint_at_or_before(self, position: int) -> int | None:
         eligible = [p for p in self.checkpoints if p <= position]
         return max(eligible) if eligible else None
-
-
-def kv_slice(model: HybridModel, kv: AttentionKV, start: int, end: int) -> AttentionKV:
-    """Views (no copies) of tokens [start, end) of every tensor in `kv`."""
-    return {
-        layer: {
-            name: tensors[name].narrow(dim, start, end - start)
-            for name, dim in model.description.token_tensors(layer).items()
-        }
-        for layer, tensors in kv.items()
-    }
-
-
-def read_attention(model: HybridModel, cache: DynamicCache) -> AttentionKV:
-    """The token-indexed tensors of every attention layer (references, not copies)."""
-    return {
-        index: {name: getattr(cache.layers[index], name) for name in model.description.token_tensors(index)}
-        for index in model.description.attention_layers
-    }
-
-
-def read_linear_states(model: HybridModel, cache: DynamicCache) -> LinearStates:
-    """Copies of every linear layer's current state (the cache updates them in place)."""
-    return {
-        index: LinearState(
-            conv=cache.layers[index].conv_states[0].clone(),
-            recurrent=cache.layers[index].recurrent_states[0].clone(),
-        )
-        for index in model.description.linear_layers
-    }
 
 
 def capture_prompt(model: HybridModel, tokens: torch.Tensor, checkpoint_interval: int | None = None) -> CachedPrompt:
@@ -116,6 +71,6 @@ def capture_prompt(model: HybridModel, tokens: torch.Tensor, checkpoint_interval
             end = min(start + step, len(tokens))
             model.forward(tokens[start:end], cache, start=start)
             if checkpoint_interval is not None and end % checkpoint_interval == 0:
-                checkpoints[end] = read_linear_states(model, cache)
+                checkpoints[end] = read_states(model.description, cache)
     decay = summarise(gates) if gates is not None else None
-    return CachedPrompt(tokens, read_attention(model, cache), checkpoints, checkpoint_interval, decay)
+    return CachedPrompt(tokens, read_kv(model.description, cache), checkpoints, checkpoint_interval, decay)

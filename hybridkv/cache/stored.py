@@ -16,9 +16,9 @@ import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
 from hybridkv.cache.prefix_cache import Hit
-from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates
+from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
 from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
-from hybridkv.models.describe import token_tensors
+from hybridkv.models.kv import LayerKV
 from hybridkv.models.loader import HybridModel
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
@@ -41,11 +41,7 @@ class StoredPrefixCache:
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.keys = PrefixKeys(self.fingerprint, salt, chunk_tokens)
         self.checkpoint_interval = checkpoint_interval
-        self._dims = {
-            spec.index: token_tensors(spec.kind)
-            for spec in model.description.layers
-            if spec.kind in ("attention", "indexed_attention")
-        }
+        self._dims = {index: model.description.token_tensors(index) for index in model.description.attention_layers}
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -58,11 +54,8 @@ class StoredPrefixCache:
         for index, start in enumerate(range(0, len(tokens), size)):
             end = min(start + size, len(tokens))
             key = kv_chunk_key(chain[index], int(tokens[start]))
-            tensors = {
-                f"{layer}.{name}": cached.attention[layer][name].narrow(dim, start, end - start)
-                for layer, dims in self._dims.items()
-                for name, dim in dims.items()
-            }
+            chunk = cached.attention.narrow(start, end)
+            tensors = {f"{layer}.{name}": tensor for layer, kv in chunk.items() for name, tensor in kv.tensors.items()}
             meta = {"start": start, "tokens": tokens[start:end].tolist()}
             if cached.decay is not None:
                 # Each summary row rides along with the chunk holding its last token, so the rows of
@@ -72,9 +65,7 @@ class StoredPrefixCache:
             written += self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors)))
         for position, states in cached.checkpoints.items():
             key = state_key(self.keys.prefix(tokens, position, chain))
-            tensors = {}
-            for layer, state in states.items():
-                tensors[f"{layer}.conv"], tensors[f"{layer}.recurrent"] = state.conv, state.recurrent
+            tensors = {f"{layer}.{name}": t for layer, state in states.items() for name, t in state.tensors.items()}
             written += self.store.put(
                 key, encode(Entry("state", self.fingerprint, key, {"position": position}, tensors))
             )
@@ -85,9 +76,7 @@ class StoredPrefixCache:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def _kv_chunk(
-        self, key: str, start: int
-    ) -> tuple[list[int], dict[int, dict[str, torch.Tensor]], tuple[torch.Tensor, int] | None] | None:
+    def _kv_chunk(self, key: str, start: int) -> tuple[list[int], PromptKV, tuple[torch.Tensor, int] | None] | None:
         """(tokens, attention KV, (decay summary rows, their chunk size) or None) of a stored chunk."""
         entry = self._read(key, "kv")
         if entry is None:
@@ -108,6 +97,7 @@ class StoredPrefixCache:
                     for name, dim in dims.items()
                 )
             )
+            kv = PromptKV({layer: LayerKV(layers[layer], dims) for layer, dims in self._dims.items()})
             consistent = consistent and (
                 decay is None
                 or (
@@ -123,7 +113,7 @@ class StoredPrefixCache:
         if not consistent:
             self.store.corrupt(key, "tensors do not match this model's attention layout or the chunk's tokens")
             return None
-        return tokens, layers, (decay, decay_chunk) if decay is not None else None
+        return tokens, kv, (decay, decay_chunk) if decay is not None else None
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
         key = state_key(self.keys.prefix(prompt, position, chain))
@@ -131,16 +121,17 @@ class StoredPrefixCache:
         if entry is None:
             return None
         try:
+            linear = [spec for spec in self.model.description.layers if spec.kind == "linear"]
             states = {
-                spec.index: LinearState(entry.tensors[f"{spec.index}.conv"], entry.tensors[f"{spec.index}.recurrent"])
-                for spec in self.model.description.layers
-                if spec.kind == "linear"
+                spec.index: LinearState(
+                    {name: entry.tensors[f"{spec.index}.{name}"] for name, _shape, _dtype in spec.state_tensors}
+                )
+                for spec in linear
             }
             consistent = all(
-                tuple(states[spec.index].conv.shape) == spec.conv_shape
-                and tuple(states[spec.index].recurrent.shape) == spec.recurrent_shape
-                for spec in self.model.description.layers
-                if spec.kind == "linear"
+                tuple(states[spec.index][name].shape) == shape
+                for spec in linear
+                for name, shape, _dtype in spec.state_tensors
             )
         except KeyError:
             consistent = False
@@ -157,7 +148,7 @@ class StoredPrefixCache:
         chain = self.keys.chain(prompt[:limit])
         size = self.keys.chunk_tokens
         chunk_tokens: list[list[int]] = []
-        chunk_layers: list[dict[int, dict[str, torch.Tensor]]] = []
+        chunk_layers: list[PromptKV] = []
         chunk_decay: list[tuple[torch.Tensor, int] | None] = []
         matched = 0
         for index, start in enumerate(range(0, limit, size)):
@@ -179,12 +170,7 @@ class StoredPrefixCache:
                 break
         if matched == 0:
             return None
-        attention = {
-            layer: {
-                name: torch.cat([chunk[layer][name] for chunk in chunk_layers], dim=dim) for name, dim in dims.items()
-            }
-            for layer, dims in self._dims.items()
-        }
+        attention = PromptKV.cat(chunk_layers)
         checkpoints = {}
         if self.checkpoint_interval:
             position = matched // self.checkpoint_interval * self.checkpoint_interval

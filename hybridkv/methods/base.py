@@ -22,10 +22,10 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from hybridkv.cache import Hit, assemble_cache, exact_attention_for_first_tokens
-from hybridkv.cache.prompt import AttentionKV, LinearStates
+from hybridkv.cache import Hit, LinearStates, PromptKV, assemble_cache
 from hybridkv.errors import HybridKVError
 from hybridkv.models import HybridModel
+from hybridkv.models.adapter import exact_kv_for_first_tokens
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,9 @@ def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
 class ResumePieces:
     """What one resume takes from its hit: KV before s, seed states at s, exact KV of the tail [s, n)."""
 
-    kv: AttentionKV | None
+    kv: PromptKV | None
     seed: LinearStates | None
-    tail_kv: AttentionKV | None
+    tail_kv: PromptKV | None
 
 
 def resume_pieces(
@@ -157,9 +157,9 @@ def resume_pieces(
         if seed is None:
             raise ValueError(f"no stored checkpoint at position {s}")
     return ResumePieces(
-        kv=hit.cached.kv_prefix(model, s) if s > 0 else None,
+        kv=hit.cached.kv_prefix(s) if s > 0 else None,
         seed=seed,
-        tail_kv=hit.cached.kv_range(model, s, n) if n > s else None,
+        tail_kv=hit.cached.kv_range(s, n) if n > s else None,
     )
 
 
@@ -184,6 +184,6 @@ def execute(
     cache = assemble_cache(model, pieces.kv, pieces.seed)
     # Replay and suffix run as one forward over [s, end): the linear layers carry their states
     # through the tail, while the attention layers keep the exact cached KV of [s, n).
-    with exact_attention_for_first_tokens(model, cache, [pieces.tail_kv]):
+    with exact_kv_for_first_tokens(model.description, cache, [pieces.tail_kv]):
         logits = model.forward(prompt[recipe.state_position :], cache, recipe.state_position, logits_to_keep)
     return outcome(prompt, hit, recipe, logits, cache)

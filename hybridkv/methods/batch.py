@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.cache import Hit, assemble_batch, exact_attention_for_first_tokens, split_batch
+from hybridkv.cache import Hit, assemble_batch, split_batch
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.base import Outcome, Recipe, outcome, resume_pieces
 from hybridkv.models import HybridModel
+from hybridkv.models.adapter import exact_kv_for_first_tokens
 
 
 def execute_batch(
@@ -40,7 +41,7 @@ def execute_batch(
     mask = torch.cat([padding, torch.ones(len(prompts), span, dtype=torch.bool)], dim=1)
     tokens = torch.stack([prompt[r.state_position :] for prompt, r in zip(prompts, recipes, strict=True)])
     positions = torch.stack([torch.arange(r.state_position, r.state_position + span) for r in recipes])
-    with exact_attention_for_first_tokens(model, cache, [p.tail_kv for p in pieces]):
+    with exact_kv_for_first_tokens(model.description, cache, [p.tail_kv for p in pieces]):
         logits = model.forward_batch(tokens, cache, positions, mask.long(), logits_to_keep)
     return [
         outcome(prompt, hit, recipe, logits[row], split_batch(model, cache, row, longest - recipe.state_position))

@@ -11,31 +11,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedConfig
-from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers import PreTrainedConfig
 
 LayerKind = Literal["linear", "attention", "indexed_attention", "none"]
-
-# Token-indexed tensors an attention cache layer holds, and the dimension that counts tokens.
-ATTENTION_TENSORS: dict[str, int] = {"keys": -2, "values": -2}
-INDEXED_ATTENTION_TENSORS: dict[str, int] = {**ATTENTION_TENSORS, "indexer_keys": 1}
-
-
-def token_tensors(kind: LayerKind) -> dict[str, int]:
-    """Names of the token-indexed tensors of an attention layer kind, with their token dimension."""
-    return INDEXED_ATTENTION_TENSORS if kind == "indexed_attention" else ATTENTION_TENSORS
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
     kind: LayerKind
-    conv_shape: tuple[int, ...] = ()  # linear layers: short-conv state (batch 1)
-    recurrent_shape: tuple[int, ...] = ()  # linear layers: recurrent / SSM state (batch 1)
-    state_dtype: str = ""
-    state_bytes: int = 0  # conv + recurrent state bytes of one linear layer
+    # linear layers: (name, shape at batch 1, dtype) of each state tensor — `conv.<slot>` windows
+    # and `recurrent.<slot>` states, as `hybridkv.models.kv.LinearState` names them
+    state_tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    state_bytes: int = 0  # every state tensor of one linear layer
+    # attention layers: (name, token dimension) of each token-indexed tensor
+    token_dims: tuple[tuple[str, int], ...] = ()
     kv_bytes_per_token: int = 0  # attention layers: bytes of every token-indexed tensor per token
 
 
@@ -63,7 +54,7 @@ class ModelDescription:
 
     def token_tensors(self, index: int) -> dict[str, int]:
         """The token-indexed tensors of attention layer `index`, with their token dimension."""
-        return token_tensors(self.layers[index].kind)
+        return dict(self.layers[index].token_dims)
 
     @property
     def state_bytes(self) -> int:
@@ -99,38 +90,6 @@ class ModelDescription:
             "flops_per_token": self.flops_per_token(0),
             "layer_specs": [asdict(spec) for spec in self.layers],
         }
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
-def describe_cache_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, ...]:
-    """Classify every layer of a cache that has seen `tokens_seen` tokens of one sequence."""
-    specs = []
-    for index, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
-            if conv is None and recurrent is None:
-                specs.append(LayerSpec(index, "none"))  # e.g. Nemotron-H's MLP-only blocks
-                continue
-            specs.append(
-                LayerSpec(
-                    index,
-                    "linear",
-                    conv_shape=tuple(conv.shape) if conv is not None else (),
-                    recurrent_shape=tuple(recurrent.shape) if recurrent is not None else (),
-                    state_dtype=str(recurrent.dtype if recurrent is not None else conv.dtype).removeprefix("torch."),
-                    state_bytes=_nbytes(conv) + _nbytes(recurrent),
-                )
-            )
-        elif isinstance(layer, DynamicLayer):
-            kind: LayerKind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
-            per_token = sum(_nbytes(getattr(layer, name)) for name in token_tensors(kind)) // tokens_seen
-            specs.append(LayerSpec(index, kind, kv_bytes_per_token=per_token))
-        else:
-            raise TypeError(f"layer {index}: unsupported cache layer type {type(layer).__name__}")
-    return tuple(specs)
 
 
 def first_set(config: PreTrainedConfig, *names: str, default=None):

@@ -18,12 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from transformers.utils import logging as hf_logging
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.describe import (
-    ModelDescription,
-    attention_flops_per_context_token,
-    count_parameters,
-    describe_cache_layers,
-)
+from hybridkv.models.adapter import describe_layers, new_cache
+from hybridkv.models.describe import ModelDescription, attention_flops_per_context_token, count_parameters
 from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
 
 # GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`.
@@ -40,7 +36,7 @@ class HybridModel:
     description: ModelDescription
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return new_cache(self.config)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -195,11 +191,11 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
 
 
 def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> ModelDescription:
-    cache = DynamicCache(config=config)
+    cache = new_cache(config)
     probe = torch.tensor([[1, 2]])
     with torch.inference_mode():
         backbone(input_ids=probe, past_key_values=cache, use_cache=True)
-    layers = describe_cache_layers(cache, tokens_seen=probe.shape[1])
+    layers = describe_layers(cache, tokens_seen=probe.shape[1])
     total, active = count_parameters(backbone, lm_head, config)
     attention_count = sum(spec.kind in ("attention", "indexed_attention") for spec in layers)
     return ModelDescription(

@@ -1,0 +1,240 @@
+"""The one boundary between hybridkv and transformers' caches: the only code that touches `cache.layers`.
+
+Everything else hands this module typed containers (`hybridkv.models.kv`) and gets them back:
+
+- `new_cache(config)`: the model's own `DynamicCache` layout, built through transformers'
+  `Cache(layers=…)` extension point with our `Splicing*` layer classes in place of the
+  attention layers (they behave exactly like transformers' until told otherwise);
+- `describe_layers`: what each cache layer holds, read off a cache after a probe forward;
+- `read_kv` / `write_kv`, `read_states` / `write_states`, `zero_states`;
+- `exact_kv_for_first_tokens`: for one forward, each attention layer stores (and attends) given
+  exact KV for the first tokens of each row instead of what it computes — how the exact-KV
+  replay runs in a single pass. The splice is a method of the layer class, so it holds however
+  the model calls `update` (positionally, by keyword, through the class); after the forward every
+  layer must have consumed its splice, or the call fails instead of returning inexact numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+from hybridkv.errors import HybridKVError
+from hybridkv.models.describe import LayerSpec, ModelDescription
+from hybridkv.models.kv import LayerKV, LinearState, LinearStates, PromptKV
+
+# Token-indexed tensors an attention cache layer holds, and the dimension that counts tokens.
+ATTENTION_TENSORS: dict[str, int] = {"keys": -2, "values": -2}
+INDEXED_ATTENTION_TENSORS: dict[str, int] = {**ATTENTION_TENSORS, "indexer_keys": 1}
+
+
+class _Splice:
+    """Mixin for an attention cache layer: the next update takes exact KV for each row's first tokens.
+
+    `pending[name] = (token dim, rows)`; row i's tensor (None: keep what the model computed)
+    replaces that row's first tokens of the incoming `name` tensor, once, and is then consumed.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pending: dict[str, tuple[int, list[torch.Tensor | None]]] = {}
+
+    def _splice(self, name: str, incoming: torch.Tensor) -> torch.Tensor:
+        if name not in self.pending:
+            return incoming
+        dim, rows = self.pending.pop(name)
+        spliced = incoming.clone()
+        for row, exact in enumerate(rows):
+            if exact is None:
+                continue
+            if exact.shape[dim] > incoming.shape[dim]:
+                raise HybridKVError(
+                    f"exact KV of {exact.shape[dim]} tokens for a forward of {incoming.shape[dim]} tokens"
+                )
+            spliced[row : row + 1].narrow(dim, 0, exact.shape[dim]).copy_(exact)
+        return spliced
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return super().update(self._splice("keys", key_states), self._splice("values", value_states), *args, **kwargs)
+
+
+class SplicingLayer(_Splice, DynamicLayer):
+    """transformers' `DynamicLayer` that can take exact KV for one update."""
+
+
+class SplicingIndexedLayer(_Splice, DynamicIndexedLayer):
+    """transformers' `DynamicIndexedLayer` (DSA) that can take exact KV and indexer keys for one update."""
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        return super().update_indexer(self._splice("indexer_keys", indexer_key_states))
+
+
+# transformers' layer class -> ours; subclasses of these (sliding windows, parallel hybrids) are
+# not spliceable and stay as transformers makes them.
+_SPLICING: dict[type, type] = {DynamicLayer: SplicingLayer, DynamicIndexedLayer: SplicingIndexedLayer}
+
+
+class HybridCache(DynamicCache):
+    """The model's `DynamicCache` layout with spliceable attention layers."""
+
+    def __init__(self, config: PreTrainedConfig) -> None:
+        layers = [
+            _SPLICING[type(layer)]() if type(layer) in _SPLICING else layer
+            for layer in DynamicCache(config=config).layers
+        ]
+        Cache.__init__(self, layers=layers)
+
+
+def new_cache(config: PreTrainedConfig) -> HybridCache:
+    return HybridCache(config)
+
+
+def _token_dims(layer: object) -> dict[str, int]:
+    return INDEXED_ATTENTION_TENSORS if isinstance(layer, DynamicIndexedLayer) else ATTENTION_TENSORS
+
+
+def _state_tensors(layer: LinearAttentionCacheLayerMixin) -> dict[str, torch.Tensor]:
+    """A linear cache layer's live state tensors by slot name (references)."""
+    tensors = {}
+    for slot in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[slot]:
+            tensors[f"conv.{slot}"] = layer.conv_states[slot]
+        if layer.is_recurrent_states_initialized[slot]:
+            tensors[f"recurrent.{slot}"] = layer.recurrent_states[slot]
+    return tensors
+
+
+def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, ...]:
+    """Classify every layer of a cache that has seen `tokens_seen` tokens of one sequence."""
+    specs = []
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            tensors = _state_tensors(layer)
+            if not tensors:
+                specs.append(LayerSpec(index, "none"))  # e.g. Nemotron-H's MLP-only blocks
+                continue
+            specs.append(
+                LayerSpec(
+                    index,
+                    "linear",
+                    state_tensors=tuple(
+                        (name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()
+                    ),
+                    state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                )
+            )
+        elif isinstance(layer, DynamicLayer):
+            kind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
+            dims = _token_dims(layer)
+            per_token = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() for name in dims)
+            specs.append(
+                LayerSpec(index, kind, token_dims=tuple(dims.items()), kv_bytes_per_token=per_token // tokens_seen)
+            )
+        else:
+            raise HybridKVError(f"layer {index}: unsupported cache layer type {type(layer).__name__}")
+    return tuple(specs)
+
+
+def read_kv(description: ModelDescription, cache: DynamicCache) -> PromptKV:
+    """The token-indexed tensors of every attention layer (references, not copies)."""
+    return PromptKV(
+        {
+            index: LayerKV(
+                {name: getattr(cache.layers[index], name) for name in description.token_tensors(index)},
+                description.token_tensors(index),
+            )
+            for index in description.attention_layers
+        }
+    )
+
+
+def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
+    """Make every attention layer of `cache` hold exactly `kv` (replacing what it held)."""
+    for index, layer_kv in kv.items():
+        layer = cache.layers[index]
+        layer.reset()
+        layer.update(layer_kv["keys"], layer_kv["values"])
+        if "indexer_keys" in layer_kv.tensors:
+            layer.update_indexer(layer_kv["indexer_keys"])
+
+
+def read_states(description: ModelDescription, cache: DynamicCache) -> LinearStates:
+    """Copies of every linear layer's current state (the cache updates them in place)."""
+    return {
+        index: LinearState({name: t.clone() for name, t in _state_tensors(cache.layers[index]).items()})
+        for index in description.linear_layers
+    }
+
+
+def write_states(cache: DynamicCache, states: LinearStates) -> None:
+    """Load one state per linear layer. The cache copies them, so the originals stay intact."""
+    for index, state in states.items():
+        layer = cache.layers[index]
+        for name, tensor in state.tensors.items():
+            kind, slot = name.split(".")
+            if kind == "conv":
+                # On a fresh layer this stores the window as-is; the kernel size is the window's.
+                layer.update_conv_state(tensor.clone(), state_idx=int(slot), conv_kernel_size=tensor.shape[-1])
+            else:
+                layer.update_recurrent_state(tensor, state_idx=int(slot))
+            # The next forward continues from this state instead of starting a new sequence.
+            layer.has_previous_state[int(slot)] = True
+
+
+def zero_states(description: ModelDescription, dtype: torch.dtype) -> LinearStates:
+    """Every linear layer's state before any token: conv windows in `dtype`, recurrent states in their own."""
+    return {
+        spec.index: LinearState(
+            {
+                name: torch.zeros(shape, dtype=dtype if name.startswith("conv") else getattr(torch, state_dtype))
+                for name, shape, state_dtype in spec.state_tensors
+            }
+        )
+        for spec in description.layers
+        if spec.kind == "linear"
+    }
+
+
+@contextmanager
+def exact_kv_for_first_tokens(
+    description: ModelDescription, cache: DynamicCache, rows: list[PromptKV | None]
+) -> Iterator[None]:
+    """During one forward, attention layers take row i's `rows[i]` KV for its first tokens.
+
+    The forward covers the replayed tail [s, n) and the suffix [n, end) together; every attention
+    layer stores (and attends) the cached exact KV for [s, n) and its own KV only from n on, while
+    the linear layers carry their states through the whole span. No KV is copied back afterwards
+    and no second call is paid. `rows` has one entry per batch row (None: that row keeps what it
+    computes). If the forward leaves a splice unconsumed — transformers called the cache in a way
+    this layer class does not see — the call fails: the result would not be exact.
+    """
+    armed = []
+    for index in description.attention_layers:
+        if not any(row and index in row.layers for row in rows):
+            continue
+        layer = cache.layers[index]
+        if not isinstance(layer, _Splice):
+            raise HybridKVError(f"layer {index} ({type(layer).__name__}) cannot take exact KV for a replay")
+        layer.pending = {
+            name: (dim, [row[index][name] if row else None for row in rows])
+            for name, dim in description.token_tensors(index).items()
+        }
+        armed.append(layer)
+    try:
+        yield
+    except BaseException:
+        for layer in armed:
+            layer.pending = {}
+        raise
+    left = {cache.layers.index(layer): sorted(layer.pending) for layer in armed if layer.pending}
+    for layer in armed:
+        layer.pending = {}
+    if left:
+        raise HybridKVError(
+            f"exact KV was never taken by attention layers {left}: the model did not update its cache "
+            "through the cache layer's methods, so the replay would not be exact"
+        )
