@@ -279,8 +279,8 @@ def _ttft(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
+    from hybridkv.eval.plan import Workload, make_plan, plan_table
     from hybridkv.methods import Budget
-    from hybridkv.models.plan import Workload, make_plan, plan_table
 
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     for budget in budgets:
@@ -303,12 +303,12 @@ def _vllm_bench(args: argparse.Namespace) -> None:
         raise HybridKVError("--requests and every --prefix-lengths value must be positive")
     try:
         from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
-        from hybridkv.integrations.vllm.models import write_tiny_qwen3_next
+        from hybridkv.integrations.vllm.models import write_servable
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
     model = args.model
     if model == "random-qwen3-next":
-        model = str(write_tiny_qwen3_next(args.out / "model"))
+        model = str(write_servable(args.out / "model"))
     elif not Path(model).is_dir():
         raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or random-qwen3-next)")
     plan = BenchPlan(model, args.prefix_lengths, args.requests, args.suffix_tokens, args.budget, args.store)
@@ -458,8 +458,19 @@ def _arena(args: argparse.Namespace) -> None:
     write_summary()
 
 
+def _quiet_libraries() -> None:
+    """Process-wide settings for the command line only (a library user keeps their own)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # kernel-fallback notices are expected on a CPU
+    warnings.filterwarnings("ignore", module="transformers")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    _quiet_libraries()
     try:
         if args.command == "validate":
             _validate(args)

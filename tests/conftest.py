@@ -136,3 +136,26 @@ def redis_factory():
     yield start
     for server in servers:
         server.kill()
+
+
+# The integration tier: tests that start or reach real services (redis / valkey servers,
+# LMCache, vLLM). `pytest -m "not integration"` runs the fast tier, which needs only torch
+# and transformers; CI runs both.
+_INTEGRATION_MODULES = {"test_lmcache_store", "test_store_faults", "test_vllm_connector"}
+_SERVER_FIXTURES = {"redis_server", "redis_factory"}
+_SERVER_BACKENDS = {"redis", "valkey", "lmcache"}
+
+
+def _needs_services(item: pytest.Item) -> bool:
+    if item.module.__name__.rsplit(".", 1)[-1] in _INTEGRATION_MODULES:
+        return True
+    if _SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(str(value).split(":", 1)[0] in _SERVER_BACKENDS for value in params.values())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _needs_services(item):
+            item.add_marker(pytest.mark.integration)

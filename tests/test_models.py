@@ -11,7 +11,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hybridkv import HybridKVError
 from hybridkv.models import RANDOM_MODELS, load_model
-from hybridkv.models.tiny import TINY_VOCAB
+from hybridkv.models.arch import TINY_VOCAB
 
 NAMES = list(RANDOM_MODELS)
 
@@ -286,18 +286,11 @@ def test_glm5_sparse_attention_is_chunk_invariant_only_up_to_index_topk(models):
     assert max(short_diffs) < 1e-4, short_diffs
 
 
-def test_glm5_cache_size_formulas_match_the_probed_tiny_model(models):
-    """The config-only arithmetic used for GLM-5.3-Flash's sizes must agree with what the model caches."""
-    from hybridkv.models.glm5 import Glm5CacheSizes
+def test_glm5_3_flash_cache_sizes():
+    """GLM-5.3-Flash's sizes from its config (the formulas are checked against the tiny model in test_plan)."""
+    from hybridkv.models.arch import glm5_next
 
-    model = models["random-glm5-next"]
-    sizes = Glm5CacheSizes.from_config(model.config, dtype_bytes=4, state_dtype_bytes=4)  # tiny runs in float32
-    description = model.description
-    assert sizes.linear_layers == len(description.linear_layers)
-    assert sizes.attention_layers == len(description.attention_layers)
-    assert sizes.kv_bytes_per_token == description.kv_bytes_per_token
-    assert sizes.state_bytes_per_checkpoint == description.state_bytes
-    full = Glm5CacheSizes.from_config()  # GLM-5.3-Flash: 34 KDA + 11 MLA/DSA layers
+    full = glm5_next.cache_sizes()  # GLM-5.3-Flash: 34 KDA + 11 MLA/DSA layers
     assert (full.linear_layers, full.attention_layers) == (34, 11)
     assert full.kv_bytes_per_token_per_layer == (512 + 0 + 2 * 128 + 1) * 2  # latent + indexer key, bf16
     assert full.state_bytes_per_layer == 64 * 128 * 128 * 4 + 3 * 64 * 128 * 4 * 2

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.models.cost import H200, LayerCost, _attended, cost_model
-from hybridkv.models.plan import Workload, cache_sizes, load_config, make_plan
+from hybridkv.eval.plan import Workload, load_config, make_plan
+from hybridkv.models.arch import ARCHITECTURES, cache_sizes, cost_model
+from hybridkv.models.cost import H200, LayerCost, _attended
 
 
 @pytest.mark.parametrize("cap", [None, 1, 7, 50, 1000])
@@ -64,12 +65,18 @@ def test_predicted_speedups_order_as_the_recomputed_tokens():
     assert speedups == sorted(speedups, reverse=True) and speedups[-1] == 1.0
 
 
-def test_qwen3_next_cache_sizes_match_the_probed_tiny_model(models):
-    model = models["random-qwen3-next"]
-    kv, state, linear, attention = cache_sizes(model.config, dtype_bytes=4, state_dtype_bytes=4)  # float32 tiny
-    assert (linear, attention) == (len(model.description.linear_layers), len(model.description.attention_layers))
-    assert kv == model.description.kv_bytes_per_token
-    assert state == model.description.state_bytes
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.cache_sizes], ids=lambda a: a.name)
+def test_cache_size_formulas_match_the_probed_tiny_model(models, arch):
+    """The config-only arithmetic quoted for full-size models must agree with what the model caches."""
+    model = models[arch.random_name]
+    sizes = cache_sizes(model.config, dtype_bytes=4, state_dtype_bytes=4)  # the tiny models run in float32
+    description = model.description
+    assert (sizes.linear_layers, sizes.attention_layers) == (
+        len(description.linear_layers),
+        len(description.attention_layers),
+    )
+    assert sizes.kv_bytes_per_token == description.kv_bytes_per_token
+    assert sizes.state_bytes_per_checkpoint == description.state_bytes
 
 
 def test_plan_cli_json_and_errors(capsys, tmp_path):

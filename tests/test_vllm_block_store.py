@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from hybridkv.integrations.vllm.block_store import BlockStore, choose_start, read_staged, write_staged
-from hybridkv.methods import Budget
+from hybridkv.integrations.vllm.block_store import BlockStore, read_staged, write_staged
+from hybridkv.methods import Budget, StoredMatch
+from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.codec import CorruptEntry
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
@@ -33,12 +34,17 @@ def blocks() -> BlockStore:
     return BlockStore(GuardedStore(MemoryStore()), "ab" * 32, BLOCK)
 
 
-def test_choose_start_prefers_an_exact_checkpoint_inside_the_budget():
-    assert choose_start(1000, Budget(fraction=0.05), []) == (950, False)
-    assert choose_start(1000, Budget(fraction=0.05), [960, 990, 1200]) == (990, True)
-    assert choose_start(1000, Budget(fraction=0.05), [900]) == (950, False)  # outside the budget
-    assert choose_start(1000, Budget(fraction=1.0), []) == (0, False)
-    assert choose_start(100, Budget(tokens=256), []) == (0, False)
+def _start(matched: int, budget: Budget, checkpoints: tuple[int, ...]) -> tuple[int, bool]:
+    recipe = SeededReplay().recipe(StoredMatch(matched, checkpoints), budget)
+    return recipe.state_position, recipe.state_seed
+
+
+def test_the_block_store_start_is_seeded_replays_choice_from_block_metadata():
+    assert _start(1000, Budget(fraction=0.05), ()) == (950, False)
+    assert _start(1000, Budget(fraction=0.05), (960, 990, 1200)) == (990, True)
+    assert _start(1000, Budget(fraction=0.05), (900,)) == (950, False)  # outside the budget
+    assert _start(1000, Budget(fraction=1.0), ()) == (0, False)
+    assert _start(100, Budget(tokens=256), ()) == (0, False)
 
 
 def test_matching_is_token_level_inside_a_block_and_never_takes_the_last_token(blocks):

@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from hybridkv.integrations.vllm.models import write_tiny_qwen3_next  # noqa: E402
+from hybridkv.integrations.vllm.models import write_servable  # noqa: E402
 
 TOP = 5
 
@@ -116,7 +116,7 @@ def assert_agrees(got: dict, want: dict, tol: float) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_tiny_qwen3_next(tmp_path_factory.mktemp("vllm") / "random-qwen3-next")
+    return write_servable(tmp_path_factory.mktemp("vllm") / "random-qwen3-next")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache.prefix_index import PrefixIndex
-from hybridkv.cache.prompt import CachedPrompt
+from hybridkv.cache.prompt import CachedPrompt, PromptKV
+from hybridkv.models.decay import DecaySummary
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,14 @@ class Hit:
     @classmethod
     def miss(cls) -> Hit:
         """No usable prefix: every method then recomputes the whole prompt."""
-        return cls(CachedPrompt(torch.empty(0, dtype=torch.long), {}), 0)
+        return cls(CachedPrompt(torch.empty(0, dtype=torch.long), PromptKV({})), 0)
+
+    def checkpoint_at_or_before(self, position: int) -> int | None:
+        return self.cached.last_checkpoint_at_or_before(position)
+
+    @property
+    def decay(self) -> DecaySummary | None:
+        return self.cached.decay
 
 
 class PrefixCache:

@@ -20,7 +20,9 @@ class _Node:
     entries: set[int] = field(default_factory=set)  # ids of prompts passing through this node
 
 
-def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+def common_length(a, b) -> int:
+    """How many leading tokens two token runs share."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
     n = min(len(a), len(b))
     mismatch = np.flatnonzero(a[:n] != b[:n])
     return int(mismatch[0]) if len(mismatch) else n
@@ -41,7 +43,7 @@ class PrefixIndex:
             if child is None:
                 node.children[int(tokens[i])] = _Node(tokens[i:].copy(), entries={entry_id})
                 return
-            common = _common_length(child.edge, tokens[i:])
+            common = common_length(child.edge, tokens[i:])
             if common < len(child.edge):  # split the edge at the first difference
                 head = _Node(child.edge[:common], {int(child.edge[common]): child}, set(child.entries))
                 child.edge = child.edge[common:]
@@ -58,7 +60,7 @@ class PrefixIndex:
             child = node.children.get(int(tokens[i]))
             if child is None:
                 break
-            common = _common_length(child.edge, tokens[i:])
+            common = common_length(child.edge, tokens[i:])
             i += common
             node = child
             if common < len(child.edge):

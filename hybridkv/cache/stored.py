@@ -11,11 +11,11 @@ rest is recomputed.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
 from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_index import common_length
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
 from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
 from hybridkv.models.kv import LayerKV
@@ -121,7 +121,7 @@ class StoredPrefixCache:
         if entry is None:
             return None
         try:
-            linear = [spec for spec in self.model.description.layers if spec.kind == "linear"]
+            linear = [spec for spec in self.model.description.layers if spec.state_tensors]
             states = {
                 spec.index: LinearState(
                     {name: entry.tensors[f"{spec.index}.{name}"] for name, _shape, _dtype in spec.state_tensors}
@@ -156,10 +156,7 @@ class StoredPrefixCache:
             if found is None:
                 break
             tokens, layers, decay = found
-            stored = np.asarray(tokens, dtype=np.int64)
-            ours = wanted[start : start + len(stored)]
-            differ = np.flatnonzero(stored[: len(ours)] != ours)
-            common = int(differ[0]) if len(differ) else len(ours)
+            common = common_length(tokens, wanted[start : start + len(tokens)])
             if common == 0:
                 break
             chunk_tokens.append(tokens)

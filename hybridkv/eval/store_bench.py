@@ -1,6 +1,6 @@
 """Store throughput and latency for entry sizes GLM-5.3-Flash really produces (a benchmark, not a test).
 
-Entry sizes come from GLM-5.3-Flash's config (`hybridkv.models.glm5`): a 256-token chunk of
+Entry sizes come from GLM-5.3-Flash's config (`hybridkv.models.arch.glm5_next`): a 256-token chunk of
 attention KV across its 11 MLA/DSA layers, one KDA layer's state, and one whole state
 checkpoint (all 34 KDA layers). Each backend does `repeats` puts then `repeats` gets of distinct
 random payloads, one request at a time; the hybridkv codec (header + SHA-256) is timed apart, and
@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from hybridkv.models.glm5 import Glm5CacheSizes
+from hybridkv.models.arch import glm5_next
 from hybridkv.store import open_store
 from hybridkv.store.codec import Entry, decode, encode
 
@@ -35,7 +35,7 @@ class EntrySize:
 
 
 def glm5_entry_sizes(repeats: int = 20) -> list[EntrySize]:
-    sizes = Glm5CacheSizes.from_config()
+    sizes = glm5_next.cache_sizes()
     return [
         EntrySize("kv-chunk-256tok", 256 * sizes.kv_bytes_per_token, repeats),
         EntrySize("kda-state-1-layer", sizes.state_bytes_per_layer, repeats),

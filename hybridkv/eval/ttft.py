@@ -60,17 +60,15 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Measured speedup against the cost-model bound: lines over prefix lengths, or bars for one length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
     labels = sorted({(r["method"], str(r["budget"])) for r in rows if r["method"] != "full"})
     names = [method if budget == "None" else f"{method} @ {budget}" for method, budget in labels]
     lengths = sorted({r["prefix_length"] for r in rows})
     if len(lengths) == 1:
         by_label = {(r["method"], str(r["budget"])): r for r in rows}
-        fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.5))
+        fig = Figure(figsize=(7, 0.35 * len(labels) + 1.5))
+        ax = fig.subplots()
         y = range(len(labels))
         ax.barh([i + 0.2 for i in y], [by_label[label]["speedup"] for label in labels], 0.4, label="measured")
         ax.barh([i - 0.2 for i in y], [by_label[label]["bound"] or 0 for label in labels], 0.4, label="FLOP bound",
@@ -81,7 +79,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"matched prefix {lengths[0]:,} tokens")
         ax.legend(fontsize=7)
     else:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.subplots()
         for index, ((method, budget), name) in enumerate(zip(labels, names, strict=True)):
             group = sorted((r for r in rows if (r["method"], str(r["budget"])) == (method, budget)),
                            key=lambda r: r["prefix_length"])  # fmt: skip
@@ -99,4 +98,3 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -2,7 +2,16 @@
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
-from hybridkv.methods.base import Budget, Outcome, Recipe, RecoveryMethod, dropped_state_bound, execute
+from hybridkv.methods.base import (
+    Budget,
+    Match,
+    Outcome,
+    Recipe,
+    RecoveryMethod,
+    StoredMatch,
+    dropped_state_bound,
+    execute,
+)
 from hybridkv.methods.batch import execute_batch
 from hybridkv.methods.checkpoint import Checkpoint
 from hybridkv.methods.full import Full
@@ -35,9 +44,11 @@ def get_method(name: str) -> RecoveryMethod:
 __all__ = [
     "METHODS",
     "Budget",
+    "Match",
     "Outcome",
     "Recipe",
     "RecoveryMethod",
+    "StoredMatch",
     "dropped_state_bound",
     "execute",
     "execute_batch",

@@ -17,8 +17,7 @@ the tail are damped by the same decays but not counted.
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 DEFAULT_TOLERANCE = 0.01  # at most 1% of the dropped state's norm may survive to the hit
 
@@ -30,9 +29,9 @@ class AdaptiveReplay:
     uses_checkpoints: bool = False
     tolerance: float = DEFAULT_TOLERANCE
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         longest = budget.tail_tokens(hit.length)
-        if hit.cached.decay is None:  # no summary (a miss, or stored without one): the budget's tail
+        if hit.decay is None:  # no summary (a miss, or stored without one): the budget's tail
             return Recipe(exact_kv_tokens=hit.length, state_position=hit.length - longest)
-        tail, _ = hit.cached.decay.shortest_tail(hit.length, self.tolerance, longest)
+        tail, _ = hit.decay.shortest_tail(hit.length, self.tolerance, longest)
         return Recipe(exact_kv_tokens=hit.length, state_position=hit.length - tail)

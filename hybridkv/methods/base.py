@@ -26,6 +26,7 @@ from hybridkv.cache import Hit, LinearStates, PromptKV, assemble_cache
 from hybridkv.errors import HybridKVError
 from hybridkv.models import HybridModel
 from hybridkv.models.adapter import exact_kv_for_first_tokens
+from hybridkv.models.decay import DecaySummary
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,41 @@ class Recipe:
             raise ValueError(f"invalid recipe: state position {self.state_position} > KV tokens {self.exact_kv_tokens}")
 
 
+class Match(Protocol):
+    """What a recipe may know of a hit: how long it is, where exact states are stored, how the gates decayed.
+
+    A `Hit` on cached prompts is one; so is a `StoredMatch`, which the vLLM block store and the
+    planner build from block metadata or arithmetic alone: a method decides from these, never
+    from tensors.
+    """
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def decay(self) -> DecaySummary | None: ...
+
+    def checkpoint_at_or_before(self, position: int) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class StoredMatch:
+    """A match known by its length and checkpoint positions only."""
+
+    length: int
+    checkpoints: tuple[int, ...] = ()
+    decay: DecaySummary | None = None
+
+    def checkpoint_at_or_before(self, position: int) -> int | None:
+        return max((p for p in self.checkpoints if p <= position), default=None)
+
+
 class RecoveryMethod(Protocol):
     name: str
     uses_budget: bool
     uses_checkpoints: bool
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe: ...
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe: ...
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ the match is recomputed (and nothing is reused when the match is shorter than on
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 
 @dataclass(frozen=True)
@@ -16,8 +15,8 @@ class Checkpoint:
     uses_budget: bool = False
     uses_checkpoints: bool = True
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
-        position = hit.cached.last_checkpoint_at_or_before(hit.length)
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
+        position = hit.checkpoint_at_or_before(hit.length)
         if position is None:
             return Recipe(exact_kv_tokens=0, state_position=0)
         return Recipe(exact_kv_tokens=position, state_position=position, state_seed=True)

@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 
 @dataclass(frozen=True)
@@ -12,5 +11,5 @@ class Full:
     uses_budget: bool = False
     uses_checkpoints: bool = False
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         return Recipe(exact_kv_tokens=0, state_position=0)

@@ -7,8 +7,7 @@ tokens. Otherwise it is plain tail-replay, so it is never worse.
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 
 @dataclass(frozen=True)
@@ -17,9 +16,9 @@ class SeededReplay:
     uses_budget: bool = True
     uses_checkpoints: bool = True
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         window_start = hit.length - budget.tail_tokens(hit.length)
-        seed = hit.cached.last_checkpoint_at_or_before(hit.length)
+        seed = hit.checkpoint_at_or_before(hit.length)
         if seed is not None and seed >= window_start:
             return Recipe(exact_kv_tokens=hit.length, state_position=seed, state_seed=True)
         return Recipe(exact_kv_tokens=hit.length, state_position=window_start)

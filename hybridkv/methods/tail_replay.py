@@ -9,8 +9,7 @@ short tail recovers most of the state; no state ever has to be stored.
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 
 @dataclass(frozen=True)
@@ -19,6 +18,6 @@ class TailReplay:
     uses_budget: bool = True
     uses_checkpoints: bool = False
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         tail = budget.tail_tokens(hit.length)
         return Recipe(exact_kv_tokens=hit.length, state_position=hit.length - tail)

@@ -8,8 +8,7 @@ exact KV is worth.
 
 from dataclasses import dataclass
 
-from hybridkv.cache import Hit
-from hybridkv.methods.base import Budget, Recipe
+from hybridkv.methods.base import Budget, Match, Recipe
 
 
 @dataclass(frozen=True)
@@ -18,6 +17,6 @@ class TailReplayRecompute:
     uses_budget: bool = True
     uses_checkpoints: bool = False
 
-    def recipe(self, hit: Hit, budget: Budget | None) -> Recipe:
+    def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         start = hit.length - budget.tail_tokens(hit.length)
         return Recipe(exact_kv_tokens=start, state_position=start)

@@ -21,7 +21,14 @@ from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+)
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.describe import LayerSpec, ModelDescription
@@ -73,20 +80,34 @@ class SplicingIndexedLayer(_Splice, DynamicIndexedLayer):
         return super().update_indexer(self._splice("indexer_keys", indexer_key_states))
 
 
-# transformers' layer class -> ours; subclasses of these (sliding windows, parallel hybrids) are
-# not spliceable and stay as transformers makes them.
-_SPLICING: dict[type, type] = {DynamicLayer: SplicingLayer, DynamicIndexedLayer: SplicingIndexedLayer}
+class SplicingHybridLayer(_Splice, LinearAttentionAndFullAttentionLayer):
+    """A parallel hybrid's layer (attention and a recurrent mixer side by side, one cache layer:
+    Falcon-H1, Zamba): its KV can be spliced, its states load like a linear layer's."""
+
+
+# transformers' layer class -> ours. Other layers (sliding windows keep only their last tokens)
+# stay as transformers makes them and cannot take exact KV.
+_SPLICING: dict[type, type] = {
+    DynamicLayer: SplicingLayer,
+    DynamicIndexedLayer: SplicingIndexedLayer,
+    LinearAttentionAndFullAttentionLayer: SplicingHybridLayer,
+}
+
+
+def _spliceable(layer: object) -> object:
+    cls = _SPLICING.get(type(layer))
+    if cls is None:
+        return layer
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return cls(number_of_states=layer.number_of_states)
+    return cls()
 
 
 class HybridCache(DynamicCache):
     """The model's `DynamicCache` layout with spliceable attention layers."""
 
     def __init__(self, config: PreTrainedConfig) -> None:
-        layers = [
-            _SPLICING[type(layer)]() if type(layer) in _SPLICING else layer
-            for layer in DynamicCache(config=config).layers
-        ]
-        Cache.__init__(self, layers=layers)
+        Cache.__init__(self, layers=[_spliceable(layer) for layer in DynamicCache(config=config).layers])
 
 
 def new_cache(config: PreTrainedConfig) -> HybridCache:
@@ -112,30 +133,38 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
     """Classify every layer of a cache that has seen `tokens_seen` tokens of one sequence."""
     specs = []
     for index, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            tensors = _state_tensors(layer)
-            if not tensors:
-                specs.append(LayerSpec(index, "none"))  # e.g. Nemotron-H's MLP-only blocks
-                continue
-            specs.append(
-                LayerSpec(
-                    index,
-                    "linear",
-                    state_tensors=tuple(
-                        (name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()
-                    ),
-                    state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                )
-            )
-        elif isinstance(layer, DynamicLayer):
-            kind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
-            dims = _token_dims(layer)
-            per_token = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() for name in dims)
-            specs.append(
-                LayerSpec(index, kind, token_dims=tuple(dims.items()), kv_bytes_per_token=per_token // tokens_seen)
-            )
-        else:
+        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+        attention = isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
+        if not (linear or isinstance(layer, DynamicLayer)):
             raise HybridKVError(f"layer {index}: unsupported cache layer type {type(layer).__name__}")
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            raise HybridKVError(
+                f"layer {index} is sliding-window attention ({type(layer).__name__}): it keeps only its last "
+                "tokens' KV, so no token-level prefix of it can be cached and resumed exactly"
+            )
+        tensors = _state_tensors(layer) if linear else {}
+        dims = _token_dims(layer) if attention else {}
+        if tensors and dims:
+            kind = "hybrid"
+        elif tensors:
+            kind = "linear"
+        elif dims:
+            kind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
+        else:
+            kind = "none"  # e.g. Nemotron-H's MLP-only blocks
+        per_token = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() for name in dims)
+        specs.append(
+            LayerSpec(
+                index,
+                kind,
+                state_tensors=tuple(
+                    (name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()
+                ),
+                state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                token_dims=tuple(dims.items()),
+                kv_bytes_per_token=per_token // tokens_seen,
+            )
+        )
     return tuple(specs)
 
 
@@ -153,10 +182,11 @@ def read_kv(description: ModelDescription, cache: DynamicCache) -> PromptKV:
 
 
 def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
-    """Make every attention layer of `cache` hold exactly `kv` (replacing what it held)."""
+    """Make every attention layer of a fresh `cache` hold exactly `kv`."""
     for index, layer_kv in kv.items():
         layer = cache.layers[index]
-        layer.reset()
+        if layer.get_seq_length():
+            raise ValueError(f"layer {index} already holds {layer.get_seq_length()} tokens; write KV to a fresh cache")
         layer.update(layer_kv["keys"], layer_kv["values"])
         if "indexer_keys" in layer_kv.tensors:
             layer.update_indexer(layer_kv["indexer_keys"])
@@ -195,7 +225,7 @@ def zero_states(description: ModelDescription, dtype: torch.dtype) -> LinearStat
             }
         )
         for spec in description.layers
-        if spec.kind == "linear"
+        if spec.state_tensors
     }
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybridkv.errors import HybridKVError
 from hybridkv.models.describe import first_set
 
 QUERY_BLOCK = 128  # queries that share one read of the context in a dense attention kernel
@@ -137,7 +136,7 @@ class CostModel:
 
 
 @dataclass(frozen=True)
-class _FeedForward:
+class FeedForward:
     flops_per_token: float
     dense_params: float  # shared experts and router (or the whole MLP of a dense model)
     expert_params: float = 0.0  # one routed expert
@@ -156,11 +155,11 @@ class _FeedForward:
         )
 
 
-def _dense_mlp(config, d: int) -> _FeedForward:
-    return _FeedForward(6 * d * config.intermediate_size, 3 * d * config.intermediate_size)
+def dense_mlp(config, d: int) -> FeedForward:
+    return FeedForward(6 * d * config.intermediate_size, 3 * d * config.intermediate_size)
 
 
-def _moe(config, d: int) -> _FeedForward:
+def moe(config, d: int) -> FeedForward:
     experts = first_set(config, "num_experts_per_tok", default=0)
     inter = first_set(config, "moe_intermediate_size", "intermediate_size")
     shared = first_set(config, "n_shared_experts", default=0) * 3 * d * inter
@@ -169,112 +168,5 @@ def _moe(config, d: int) -> _FeedForward:
     routed = first_set(config, "n_routed_experts", "num_experts", default=0)
     router = d * routed
     if not experts:
-        return _dense_mlp(config, d)
-    return _FeedForward(
-        2 * (experts * 3 * d * inter + shared + router), shared + router, 3 * d * inter, routed, experts
-    )
-
-
-def _glm5_next(config) -> CostModel:
-    from hybridkv.models.glm5 import Glm5CacheSizes
-
-    d, nq = config.hidden_size, config.num_attention_heads
-    qk, v, qlr, klr = config.qk_head_dim, config.v_head_dim, config.q_lora_rank, config.kv_lora_rank
-    ih, inh, kpool = config.index_head_dim, config.index_n_heads, config.index_kpool
-    heads, hd, m = config.linear_num_heads, config.linear_head_dim, config.hc_mult
-    # Two hyper-connections per layer: each projects the m streams to m² + 2m mixing weights,
-    # mixes the streams (m² d) and folds them in and out (2 m d).
-    hc_params = 2 * m * d * (m * m + 2 * m)
-    hc_macs = hc_params + 2 * (m * m * d + 2 * m * d)
-    sizes = Glm5CacheSizes.from_config(config, WEIGHT_BYTES, STATE_BYTES)
-    activations = 4 * m * d * WEIGHT_BYTES  # the streams read and written, in and out
-    latent = (klr + config.qk_rope_head_dim) * WEIGHT_BYTES
-    mla_params = (
-        d * qlr + qlr * nq * qk + d * (klr + config.qk_rope_head_dim)
-        + klr * nq * (config.qk_nope_head_dim + v) + nq * v * d
-        + qlr * inh * ih + 2 * d * ih + d * inh  # indexer: q, k, k-pool gate, head weights
-    )  # fmt: skip
-    mla = LayerCost(
-        "attention",
-        flops_per_token=2 * (mla_params + hc_macs),
-        flops_per_context_token=2 * nq * (qk + v),
-        max_attended=config.index_topk,
-        flops_per_pooled_token=2 * inh * ih / kpool,
-        weight_bytes=(mla_params + hc_params) * WEIGHT_BYTES,
-        activation_bytes_per_token=activations,
-        kv_bytes_per_token=latent,
-        index_bytes_per_token=sizes.kv_bytes_per_token_per_layer - latent,
-    )
-    kda_params = (
-        d * heads * hd * 3  # q, k, v
-        + 2 * (d * hd + hd * heads * hd)  # channel-wise decay gate and output gate, low rank
-        + d * heads  # beta
-        + heads * hd * d  # output projection
-        + 3 * heads * hd * config.linear_conv_kernel_dim  # short convolutions on q, k, v
-    )
-    kda = LayerCost(
-        "linear",
-        flops_per_token=2 * (kda_params + hc_macs) + 6 * heads * hd * hd,  # + the recurrence
-        weight_bytes=(kda_params + hc_params) * WEIGHT_BYTES,
-        activation_bytes_per_token=activations,
-        state_bytes=sizes.state_bytes_per_layer,
-    )
-    feed_forward = {"dense": _dense_mlp(config, d), "sparse": _moe(config, d)}
-    layers = tuple(
-        feed_forward[mlp].add_to(mla if kind == "indexed_attention" else kda)
-        for kind, mlp in zip(config.layer_types, config.mlp_layer_types, strict=True)
-    )
-    head = d * config.vocab_size
-    return CostModel(config.model_type, layers, 2 * head, head * WEIGHT_BYTES)
-
-
-def _qwen3_next(config) -> CostModel:
-    d, nq, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    ffn = _moe(config, d)
-    activations = 4 * d * WEIGHT_BYTES
-    attention_params = d * (2 * nq * hd + 2 * nkv * hd) + nq * hd * d  # gated q, k, v, o
-    attention = LayerCost(
-        "attention",
-        flops_per_token=2 * attention_params,
-        flops_per_context_token=4 * nq * hd,
-        weight_bytes=attention_params * WEIGHT_BYTES,
-        activation_bytes_per_token=activations,
-        kv_bytes_per_token=2 * nkv * hd * WEIGHT_BYTES,
-    )
-    conv_channels = 2 * hk * dk + hv * dv
-    gdn_params = d * (conv_channels + hv * dv + 2 * hv) + hv * dv * d + conv_channels * config.linear_conv_kernel_dim
-    gdn = LayerCost(
-        "linear",
-        flops_per_token=2 * gdn_params + 6 * hv * dk * dv,  # q, k, v, z, b, a; the recurrence
-        weight_bytes=gdn_params * WEIGHT_BYTES,
-        activation_bytes_per_token=activations,
-        state_bytes=hv * dk * dv * STATE_BYTES + conv_channels * config.linear_conv_kernel_dim * WEIGHT_BYTES,
-    )
-    attention, gdn = ffn.add_to(attention), ffn.add_to(gdn)
-    layers = tuple(attention if kind == "full_attention" else gdn for kind in config.layer_types)
-    head = d * config.vocab_size
-    return CostModel(config.model_type, layers, 2 * head, head * WEIGHT_BYTES)
-
-
-_BUILDERS = {"glm5_next": _glm5_next, "glm5_next_text": _glm5_next, "qwen3_next": _qwen3_next}
-
-
-def cost_model(config, dense_attention: bool = False) -> CostModel:
-    """The cost model of a transformers config (a multimodal config's text part is used).
-
-    `dense_attention`: every query scores every earlier token even where DSA selects top-k, as
-    transformers' implementation does (it masks the dense scores); a serving kernel that computes
-    only the selected tokens (vLLM's sparse MLA) is the default.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    builder = _BUILDERS.get(text.model_type)
-    if builder is None:
-        raise HybridKVError(
-            f"no cost model for model type {text.model_type!r} yet; known: {', '.join(sorted(_BUILDERS))}"
-        )
-    model = builder(text)
-    if dense_attention:
-        model = replace(model, layers=tuple(replace(layer, max_attended=None) for layer in model.layers))
-    return model
+        return dense_mlp(config, d)
+    return FeedForward(2 * (experts * 3 * d * inter + shared + router), shared + router, 3 * d * inter, routed, experts)

@@ -15,27 +15,23 @@ That relative bound, maximised over layers and heads, is what adaptive-replay ke
 
 At capture time we add up max_c log α_t,c over each `DECAY_CHUNK`-token chunk (absolute chunk
 positions), per linear layer and head: a few KB per prompt, next to megabytes of KV.
-The gates come from the model's own modules through forward hooks, never recomputed by us,
-except GDN's and Mamba-2's one-line gate formulas (the modules expose only their inputs).
+The gates come from the model's own modules through forward hooks; each architecture's module
+(`hybridkv.models.arch`) says which module to hook (`hybridkv.models.gates` reads it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from hybridkv.models.arch import architecture_for
 from hybridkv.models.loader import HybridModel
 
 DECAY_CHUNK = 64  # tokens per summary row; a multiple of it is the stored KV chunk size
-
-# A probe turns one hooked module's output into the per-token worst log-decay, [tokens, heads].
-Probe = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,53 +76,6 @@ class DecaySummary:
         return longest, self.bound(end - longest, end)
 
 
-def _worst_channel(gate: torch.Tensor) -> torch.Tensor:
-    """KDA: the forget gate returns log α per key channel, [B, T, H, D] -> worst channel [T, H]."""
-    return gate[0].float().amax(-1)
-
-
-def _gdn_gate(mixer: nn.Module, a: torch.Tensor) -> torch.Tensor:
-    """Gated DeltaNet: log α = −exp(A_log) · softplus(a + dt_bias), one per head, [T, H]."""
-    return -mixer.A_log.float().exp() * F.softplus(a[0].float() + mixer.dt_bias.float())
-
-
-def _qwen3_next_a(mixer: nn.Module) -> Probe:
-    """Qwen3-Next packs (b, a) per key-head group in `in_proj_ba`; unpack `a` as the model does."""
-
-    def probe(mixed_ba: torch.Tensor) -> torch.Tensor:
-        group = mixer.num_v_heads // mixer.num_k_heads
-        grouped = mixed_ba.view(*mixed_ba.shape[:-1], mixer.num_k_heads, 2 * group)
-        a = grouped[..., group:].reshape(*mixed_ba.shape[:-1], mixer.num_v_heads)
-        return _gdn_gate(mixer, a)
-
-    return probe
-
-
-def _mamba2_dt(mixer: nn.Module) -> Probe:
-    """Mamba-2: `in_proj` ends with the per-head Δ; log decay = Δ·A with Δ = clamp(softplus(Δ + dt_bias))."""
-
-    def probe(projected: torch.Tensor) -> torch.Tensor:
-        dt = F.softplus(projected[0, :, -mixer.num_heads :].float() + mixer.dt_bias.float())
-        dt = dt.clamp(*mixer.time_step_limit)
-        return dt * -mixer.A_log.float().exp()
-
-    return probe
-
-
-def _probe_for(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
-    """The module to hook in one decoder layer, and how to read its output; None if unknown."""
-    for _, module in layer.named_modules():
-        if type(module).__name__.endswith("ForgetGate"):  # KDA (GLM-5.3-Flash, Kimi Linear)
-            return module, _worst_channel
-        if hasattr(module, "A_log") and hasattr(module, "in_proj_ba"):  # Qwen3-Next GDN
-            return module.in_proj_ba, _qwen3_next_a(module)
-        if hasattr(module, "A_log") and hasattr(module, "a_proj"):  # OLMo Hybrid GDN
-            return module.a_proj, lambda a, mixer=module: _gdn_gate(mixer, a)
-        if hasattr(module, "A_log") and hasattr(module, "time_step_limit"):  # Mamba-2 (Nemotron-H)
-            return module.in_proj, _mamba2_dt(module)
-    return None
-
-
 @contextmanager
 def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None]:
     """While active, every forward appends each linear layer's per-token worst log-decay.
@@ -134,7 +83,9 @@ def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None
     Yields one list per linear layer (in `description.linear_layers` order) that collects
     [tokens, heads] tensors, or None when the architecture has no probe.
     """
-    probes = [_probe_for(model.backbone.layers[index]) for index in model.description.linear_layers]
+    arch = architecture_for(model.config)
+    find = arch.decay_probe if arch is not None else None
+    probes = [find(model.backbone.layers[index]) if find else None for index in model.description.linear_layers]
     if any(probe is None for probe in probes):
         yield None
         return

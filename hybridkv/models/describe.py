@@ -14,7 +14,9 @@ from typing import Literal
 from torch import nn
 from transformers import PreTrainedConfig
 
-LayerKind = Literal["linear", "attention", "indexed_attention", "none"]
+# "hybrid": a parallel hybrid's layer, attention and a recurrent mixer side by side (Falcon-H1,
+# Zamba), one cache layer holding both KV and states: it counts as attention and as linear.
+LayerKind = Literal["linear", "attention", "indexed_attention", "hybrid", "none"]
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,11 @@ class ModelDescription:
 
     @property
     def linear_layers(self) -> list[int]:
-        return [spec.index for spec in self.layers if spec.kind == "linear"]
+        return [spec.index for spec in self.layers if spec.kind in ("linear", "hybrid")]
 
     @property
     def attention_layers(self) -> list[int]:
-        return [spec.index for spec in self.layers if spec.kind in ("attention", "indexed_attention")]
+        return [spec.index for spec in self.layers if spec.kind in ("attention", "indexed_attention", "hybrid")]
 
     def token_tensors(self, index: int) -> dict[str, int]:
         """The token-indexed tensors of attention layer `index`, with their token dimension."""

@@ -8,14 +8,12 @@ positions whose logits are wanted, so replayed tokens never pay for the vocabula
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedConfig
-from transformers.utils import logging as hf_logging
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.adapter import describe_layers, new_cache
@@ -197,7 +195,7 @@ def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head:
         backbone(input_ids=probe, past_key_values=cache, use_cache=True)
     layers = describe_layers(cache, tokens_seen=probe.shape[1])
     total, active = count_parameters(backbone, lm_head, config)
-    attention_count = sum(spec.kind in ("attention", "indexed_attention") for spec in layers)
+    attention_count = sum(bool(spec.token_dims) for spec in layers)
     return ModelDescription(
         name=name,
         model_type=config.model_type,
@@ -211,8 +209,6 @@ def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head:
 
 def load_model(name_or_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> HybridModel:
     """Load a built-in model by name (trained `tiny-*`, or seeded `random-*`), or a checkpoint directory."""
-    hf_logging.set_verbosity_error()  # kernel-fallback notices are expected on a CPU
-    warnings.filterwarnings("ignore", module="transformers")
     if name_or_dir in TRAINED_MODELS:
         config, backbone, lm_head = _with_head(TRAINED_MODELS[name_or_dir], name_or_dir)
         backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)

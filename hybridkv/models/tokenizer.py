@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.tiny import BUILTIN_MODELS, TINY_VOCAB
+from hybridkv.models.arch import TINY_VOCAB
+from hybridkv.models.tiny import BUILTIN_MODELS
 
 
 class Tokenizer(Protocol):

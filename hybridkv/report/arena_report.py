@@ -8,10 +8,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no screen
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
 from hybridkv.eval.summary import OVERALL  # noqa: E402
 
@@ -48,7 +45,8 @@ def _per_method(rows: list[dict], key: str) -> dict[str, float]:
 
 def plot_quality_vs_budget(rows: list[dict], path: Path) -> None:
     """Task score, and agreement with full prefill's answer, against the replay budget."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
     for ax, key, title in (
         (axes[0], "score", "Task score vs budget"),
         (axes[1], "agreement_with_full", "Agreement with full prefill's answer vs budget"),
@@ -71,7 +69,6 @@ def plot_quality_vs_budget(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_pgr(rows: list[dict], path: Path) -> None:
@@ -87,7 +84,8 @@ def plot_pgr(rows: list[dict], path: Path) -> None:
         values.append(value)
         low.append(value - _mean([c[0] for c in cis]) if cis else 0.0)
         high.append(_mean([c[1] for c in cis]) - value if cis else 0.0)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     if labels:
         ax.bar(labels, values, yerr=[[max(v, 0) for v in low], [max(v, 0) for v in high]], capsize=4)
         ax.tick_params(axis="x", rotation=30, labelsize=7)
@@ -96,7 +94,6 @@ def plot_pgr(rows: list[dict], path: Path) -> None:
     ax.set(ylabel="PGR (gap recovered)", title="PGR per method, 95% CI")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_speedup(rows: list[dict], path: Path) -> None:
@@ -106,7 +103,8 @@ def plot_speedup(rows: list[dict], path: Path) -> None:
         reference = full.get((row["task"], row["length"]))
         if reference and row["method"] not in ("full", "no-context") and row["ttft_s"]:
             curves[_label(row)][row["length"]].append(reference / row["ttft_s"])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for label, points in sorted(curves.items()):
         lengths = sorted(points)
         ax.plot(lengths, [_mean(points[n]) for n in lengths], marker="o", label=label)
@@ -115,13 +113,13 @@ def plot_speedup(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_bytes(rows: list[dict], path: Path) -> None:
     kv, state = _per_method(rows, "kv_bytes"), _per_method(rows, "state_bytes")
     labels = sorted(kv)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.bar(labels, [kv[l] / 2**20 for l in labels], label="attention KV")  # noqa: E741
     ax.bar(labels, [state[l] / 2**20 for l in labels], bottom=[kv[l] / 2**20 for l in labels], label="states")  # noqa: E741
     ax.tick_params(axis="x", rotation=30, labelsize=7)
@@ -129,7 +127,6 @@ def plot_bytes(rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 PLOTS = {

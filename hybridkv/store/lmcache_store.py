@@ -24,13 +24,10 @@ import os
 import threading
 from urllib.parse import parse_qs, urlparse
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from hybridkv.errors import HybridKVError, StoreError  # noqa: E402
+from hybridkv.errors import HybridKVError, StoreError
 
 PREFIX = "lmcache://"
 NAMESPACE = "hybridkv"
@@ -66,6 +63,9 @@ class LMCacheStore:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _open(self) -> None:
+        # Read by LMCache when it is first imported: no usage reports, no per-operation logging.
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend

@@ -19,13 +19,17 @@ NAMESPACE = "hybridkv:"
 DEFAULT_TIMEOUT_S = 1.0
 
 
-class _Connection(redis.Connection):
-    """hiredis parses replies (4x faster GETs of MB-sized entries), but its command packer copies
-    every value into one buffer (3x slower SETs); redis-py's own packer sends large values as
-    separate buffers. Take the best of both. (`_construct_command_packer` is redis-py 8's hook.)"""
+def _encode(value) -> bytes | memoryview:
+    """What the packer sends for one argument: our keys are str, values bytes, counts int."""
+    if isinstance(value, bytes | memoryview):
+        return value
+    return (value if isinstance(value, str) else repr(value)).encode()
 
-    def _construct_command_packer(self, packer):
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+# hiredis parses replies (4x faster GETs of MB-sized entries), but its command packer copies
+# every value into one buffer (3x slower SETs); redis-py's own packer sends values over 6,000
+# bytes as separate buffers. Take the best of both through the connection's `command_packer`.
+_PACKER = PythonRespSerializer(6000, _encode)
 
 
 class RedisStore:
@@ -37,7 +41,7 @@ class RedisStore:
         except ValueError as err:
             raise HybridKVError(f"store {url!r}: expected {parsed.scheme}://HOST:PORT[/DB] ({err})") from None
         pool = redis.ConnectionPool(
-            connection_class=_Connection,
+            command_packer=_PACKER,
             host=parsed.hostname or "127.0.0.1",
             port=port,
             db=db,

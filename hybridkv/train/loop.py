@@ -191,10 +191,7 @@ def evaluate(model: Model, config: TrainConfig, step: int) -> dict[str, float]:
 
 def plot(run_dir: Path) -> Path | None:
     """loss.png from log.jsonl: losses per step, held-out accuracy per evaluation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
     log = run_dir / "log.jsonl"
     if not log.exists():
@@ -202,7 +199,8 @@ def plot(run_dir: Path) -> Path | None:
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "lm" in r]
     evals = [r for r in rows if "eval" in r]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    (left, right) = fig.subplots(1, 2)
     for key in ("lm", "answer", "indexer"):
         left.plot([r["step"] for r in steps], [r[key] for r in steps], label=key, linewidth=0.8)
     # Per-task answer losses are noisy (a few rows per step): a running mean over 25 steps.
@@ -226,7 +224,6 @@ def plot(run_dir: Path) -> Path | None:
     fig.tight_layout()
     out = run_dir / "loss.png"
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -181,14 +181,12 @@ def summarise(plan: BenchPlan, results: dict[str, dict[int, list[dict]]]) -> dic
 
 def plot(summary: dict, path: Path) -> None:
     """TTFT per configuration, grouped by prefix length, with reused tokens on each bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
     lengths = sorted({row["prefix_length"] for row in summary["rows"]})
     width = 0.8 / len(CONFIGS)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for index, config in enumerate(CONFIGS):
         rows = {r["prefix_length"]: r for r in summary["rows"] if r["config"] == config}
         xs = [i + (index - (len(CONFIGS) - 1) / 2) * width for i in range(len(lengths))]
@@ -203,7 +201,6 @@ def plot(summary: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def report(summary: dict) -> str:

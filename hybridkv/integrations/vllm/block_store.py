@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, state_key
+from hybridkv.cache.prefix_index import common_length
 from hybridkv.errors import CorruptEntry
-from hybridkv.methods import Budget
+from hybridkv.methods import Budget, StoredMatch
+from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.codec import Entry, decode, encode
 from hybridkv.store.guarded import GuardedStore
 
@@ -50,14 +52,6 @@ class Resume:
     start: int
     blocks: list[Pages]
     states: Pages | None
-
-
-def choose_start(matched: int, budget: Budget, checkpoints: list[int]) -> tuple[int, bool]:
-    """The replay start s for a match of `matched` tokens: an exact checkpoint within the replay
-    budget if there is one (the latest), else `matched - t` with zero states."""
-    floor = matched - budget.tail_tokens(matched)
-    exact = [p for p in checkpoints if floor <= p <= matched]
-    return (max(exact), True) if exact else (floor, False)
 
 
 class BlockStore:
@@ -114,9 +108,7 @@ class BlockStore:
                 self.store.corrupt(key, "block does not match this engine's attention layout")
                 break
             start = index * self.block_size
-            ours = wanted[start : start + len(stored)]
-            differ = np.flatnonzero(np.asarray(stored[: len(ours)], dtype=np.int64) != ours)
-            common = int(differ[0]) if len(differ) else len(ours)
+            common = common_length(stored, wanted[start : start + len(stored)])
             if common == 0:
                 break
             found.blocks.append(entry.tensors)
@@ -131,16 +123,18 @@ class BlockStore:
     def resume(self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget) -> Resume:
         """Everything needed to resume `tokens`: the match, the start, the pages to load."""
         found = self.match(tokens, layout)
-        start, exact = choose_start(found.length, budget, found.checkpoints)
-        states = None
-        if exact:
+        # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
+        # checkpoint inside the budget's tail when there is one, else the tail from zero state.
+        recipe = SeededReplay().recipe(StoredMatch(found.length, tuple(found.checkpoints)), budget)
+        start, states = recipe.state_position, None
+        if recipe.state_seed:
             entry = self._read(self.state_key(tokens, start), "vllm-state")
             if entry is not None and dict(_sizes(entry.tensors)) == state_layout:
                 states = entry.tensors
             else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
                 if entry is not None:
                     self.store.corrupt(self.state_key(tokens, start), "state does not match this engine's layout")
-                start, _ = choose_start(found.length, budget, [])
+                start = SeededReplay().recipe(StoredMatch(found.length), budget).state_position
         blocks = found.blocks[: -(-start // self.block_size)] if start else []
         return Resume(found.length, start, blocks, states)
 

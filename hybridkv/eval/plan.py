@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hybridkv.errors import HybridKVError
-from hybridkv.methods import Budget
-from hybridkv.models.cost import H200, cost_model
+from hybridkv.methods import METHODS, Budget, StoredMatch
+from hybridkv.models.arch import cache_sizes, cost_model
+from hybridkv.models.cost import H200
 
 GLM_5_3_FLASH = "glm-5.3-flash"
 
@@ -71,30 +72,12 @@ def load_config(model: str):
     raise HybridKVError(f"unknown model {model!r}: {GLM_5_3_FLASH}, a built-in tiny model, or a checkpoint directory")
 
 
-def cache_sizes(config, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> tuple[int, int, int, int]:
-    """(KV bytes per token, state bytes per checkpoint, linear layers, attention layers)."""
-    kinds = list(config.layer_types)
-    if config.model_type in ("glm5_next", "glm5_next_text"):
-        from hybridkv.models.glm5 import Glm5CacheSizes
-
-        sizes = Glm5CacheSizes.from_config(config, dtype_bytes, state_dtype_bytes)
-        return sizes.kv_bytes_per_token, sizes.state_bytes_per_checkpoint, sizes.linear_layers, sizes.attention_layers
-    if config.model_type == "qwen3_next":
-        linear, attention = kinds.count("linear_attention"), kinds.count("full_attention")
-        kv = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
-        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-        conv = (2 * hk * dk + hv * dv) * config.linear_conv_kernel_dim * dtype_bytes
-        recurrent = hv * dk * dv * state_dtype_bytes
-        return kv * attention, (conv + recurrent) * linear, linear, attention
-    raise HybridKVError(f"no cache-size formulas for model type {config.model_type!r} yet")
-
-
 def make_plan(model: str, workload: Workload = Workload()) -> Plan:
     config = load_config(model)
-    kv_per_token, state_per_checkpoint, linear, attention = cache_sizes(config)
+    sizes = cache_sizes(config)
     costs = cost_model(config)
-    plan = Plan(model, kv_per_token, state_per_checkpoint, linear, attention)
+    kv_per_token, state_per_checkpoint = sizes.kv_bytes_per_token, sizes.state_bytes_per_checkpoint
+    plan = Plan(model, kv_per_token, state_per_checkpoint, sizes.linear_layers, sizes.attention_layers)
     kept = workload.new_prefixes_per_s * workload.retention_s  # distinct prefixes held at once
     for length in workload.prefix_lengths:
         kv = length * kv_per_token
@@ -112,11 +95,19 @@ def make_plan(model: str, workload: Workload = Workload()) -> Plan:
                 }
             )
         prompt = length + workload.suffix_tokens
-        starts: list[tuple[str, str | None, int]] = [("full", None, 0), ("zero-state", None, length)]
-        starts += [(f"checkpoint-every-{b}", None, length // b * b) for b in workload.intervals]
+        # Where each scheme starts recomputing: the methods' own recipes, on a match of the whole
+        # prefix with checkpoints where the scheme would have stored them.
+        plain = StoredMatch(length)
+        starts: list[tuple[str, str | None, int]] = [
+            ("full", None, METHODS["full"].recipe(plain, None).state_position),
+            ("zero-state", None, METHODS["zero-state"].recipe(plain, None).state_position),
+        ]
+        for b in workload.intervals:
+            grid = StoredMatch(length, tuple(range(b, length + 1, b)))
+            starts.append((f"checkpoint-every-{b}", None, METHODS["checkpoint"].recipe(grid, None).state_position))
         for text in workload.budgets:
-            budget = Budget.parse(text)
-            starts.append(("tail-replay", text, length - budget.tail_tokens(length)))
+            recipe = METHODS["tail-replay"].recipe(plain, Budget.parse(text))
+            starts.append(("tail-replay", text, recipe.state_position))
         for method, budget, start in starts:
             plan.predictions.append(
                 {
