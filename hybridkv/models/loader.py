@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.adapter import describe_layers, new_cache
+from hybridkv.models.adapter import describe_layers, new_cache, read_kv, read_states, write_kv, write_states
 from hybridkv.models.describe import ModelDescription, attention_flops_per_context_token, count_parameters
 from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
 
-# GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`.
-GLM5_MULTIMODAL = "glm5_next"
+# GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`,
+# which transformers has no causal-LM class for: hybridkv saves it with its head (`write_with_head`).
 GLM5_TEXT = "glm5_next_text"
 
 
@@ -169,17 +170,15 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
         raise HybridKVError(f"{config_file}: not a transformers config (expected a JSON object)")
     model_type = config_json.get("model_type")
     try:
-        if model_type == GLM5_MULTIMODAL:
-            from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-            full = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype)
-            del full.model.visual  # hybridkv runs the text decoder only
-            text = full.model.language_model
-            return text.config, text, full.lm_head
         if model_type == GLM5_TEXT:
             return _with_head(path, str(path))
         AutoConfig.from_pretrained(path)  # fails early and clearly on an unknown model_type
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # Multimodal checkpoints (GLM-5.3-Flash, LFM2-VL, ...) load as image-text-to-text models
+        # when transformers has no causal-LM class for them; hybridkv runs their text decoder only,
+        # and the vision and audio towers are freed with the wrapper.
+        multimodal = model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype)
     except HybridKVError:
         raise
     except (OSError, ValueError, KeyError) as err:
@@ -191,9 +190,19 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
 def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> ModelDescription:
     cache = new_cache(config)
     probe = torch.tensor([[1, 2]])
-    with torch.inference_mode():
-        backbone(input_ids=probe, past_key_values=cache, use_cache=True)
-    layers = describe_layers(cache, tokens_seen=probe.shape[1])
+    try:
+        with torch.inference_mode():
+            backbone(input_ids=probe, past_key_values=cache, use_cache=True)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HybridKVError(
+            f"model {name!r} ({config.model_type}) does not run on a transformers DynamicCache, which is what "
+            f"hybridkv caches from ({first})"
+        ) from err
+    try:
+        layers = describe_layers(cache, tokens_seen=probe.shape[1])
+    except HybridKVError as err:
+        raise HybridKVError(f"model {name!r} ({config.model_type}): {err}") from err
     total, active = count_parameters(backbone, lm_head, config)
     attention_count = sum(bool(spec.token_dims) for spec in layers)
     return ModelDescription(
@@ -230,4 +239,62 @@ def load_model(name_or_dir: str, seed: int = 0, dtype: torch.dtype = torch.float
         )
     if not description.attention_layers:
         raise HybridKVError(f"model {name_or_dir!r} ({config.model_type}) has no attention layers to cache")
-    return HybridModel(name_or_dir, config, backbone, lm_head, description)
+    model = HybridModel(name_or_dir, config, backbone, lm_head, description)
+    if (reason := why_not_resumable(model, tolerance=RESUME_TOLERANCE[dtype == torch.float32])) is not None:
+        raise HybridKVError(f"model {name_or_dir!r} ({config.model_type}) cannot be resumed exactly: {reason}")
+    return model
+
+
+# Relative error allowed between one forward and a resumed one, for (16-bit, float32) models:
+# float reassociation in the chunked kernels gives ~1e-6 in float32 and up to ~1e-2 in bfloat16;
+# a state that restarts is off by far more (0.05-0.8 on random checkpoints of Jamba and Zamba).
+RESUME_TOLERANCE = (5e-2, 1e-3)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+
+
+@torch.inference_mode()
+def why_not_resumable(model: HybridModel, tokens: int = 32, tolerance: float = 1e-3) -> str | None:
+    """Why a prompt of this model cannot be resumed from its cache exactly, or None if it can.
+
+    Every hybridkv method assumes two things, checked here on a 32-token probe split 30 + 2 (the
+    second part a multi-token forward, short so that a wrong start state decays least):
+    - continuing on the model's own cache equals one forward (linear states compared);
+    - continuing on a fresh cache rebuilt from the pieces hybridkv moves (attention KV, linear
+      states) equals one forward (logits compared): nothing the model needs lives elsewhere.
+    """
+    probe = torch.arange(3, 3 + tokens) % model.config.vocab_size
+    split_at = tokens - 2
+    one, own = model.new_cache(), model.new_cache()
+    whole = model.forward(probe, one, start=0, logits_to_keep=2)
+    model.forward(probe[:split_at], own, start=0)
+    kv, states = read_kv(model.description, own).clone(), read_states(model.description, own)
+    model.forward(probe[split_at:], own, start=split_at)
+    expected, continued = read_states(model.description, one), read_states(model.description, own)
+    drift = max(
+        (_relative(continued[i][name], t) for i, s in expected.items() for name, t in s.tensors.items()),
+        default=0.0,
+    )
+    if drift > tolerance:
+        return (
+            f"its linear states after {tokens} tokens fed as {split_at} + 2 differ from one forward's by "
+            f"{drift:.1e} (relative, allowed {tolerance:g}): its transformers implementation does not start a "
+            "multi-token forward from the cached state"
+        )
+    rebuilt = model.new_cache()
+    write_kv(rebuilt, kv)
+    write_states(rebuilt, states)
+    try:
+        resumed = model.forward(probe[split_at:], rebuilt, start=split_at, logits_to_keep=2)
+    except (IndexError, RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"a cache rebuilt from its attention KV and linear states fails ({type(err).__name__}: {first})"
+    if (error := _relative(resumed, whole)) > tolerance:
+        return (
+            f"a cache rebuilt from its attention KV and linear states gives logits {error:.1e} (relative) away "
+            "from one forward's: the model keeps state outside its cache layers"
+        )
+    return None

@@ -1,0 +1,87 @@
+"""Every hybrid family transformers implements: exact resumes, or a one-line refusal with the true reason.
+
+Each family's tiny random checkpoint (`tests/families.py`) is saved by transformers itself and
+loaded as a user's checkpoint directory. A supported family must pass the invariants every
+method rests on; the others must be refused at load with the reason, never give wrong numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv import HybridKVError
+from hybridkv.cache import capture_prompt
+from hybridkv.cache.prefix_cache import Hit
+from hybridkv.methods.base import Recipe, execute
+from hybridkv.models import load_model
+from tests.families import FAMILIES, save_random_checkpoint
+
+SUPPORTED = [
+    "qwen3_5",
+    "qwen3_5-vl",
+    "qwen3_5_moe",
+    "qwen3_5_moe-vl",
+    "granitemoehybrid",
+    "bamba",
+    "falcon_h1",  # parallel hybrid: attention and Mamba-2 side by side in every layer
+    "zamba2",  # Mamba-2 layers and shared-attention hybrid layers
+    "lfm2",  # short-conv layers: a conv window and no recurrent state
+    "lfm2_moe",
+    "lfm2_vl",  # multimodal only: loaded as image-text-to-text, its text decoder kept
+]
+REFUSED = {
+    # transformers runs a multi-token forward of these from a zero SSM state, whatever the cache holds
+    "jamba": "does not start a multi-token forward from the cached state",
+    "zamba": "does not start a multi-token forward from the cached state",
+    # not yet: sliding-window attention keeps only its last tokens' KV
+    "zaya": "sliding-window attention",
+    "inkling": "sliding-window attention",
+    "inkling-vl": "sliding-window attention",
+    "recurrent_gemma": "sliding-window attention",
+    # not yet: a cache class of its own, state on the cache object
+    "minimax": "does not run on a transformers DynamicCache",
+    "qwen4_exp": "a cache rebuilt from its attention KV and linear states fails",
+    "qwen4_exp-vl": "a cache rebuilt from its attention KV and linear states fails",
+}
+PROMPT, MATCHED, INTERVAL = 48, 40, 8
+
+
+def test_every_family_is_either_supported_or_refused():
+    assert set(SUPPORTED) | set(REFUSED) == set(FAMILIES) and not set(SUPPORTED) & set(REFUSED)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    def save(key: str):
+        directory = tmp_path_factory.mktemp(key.replace("-", "_"))
+        save_random_checkpoint(key, directory)
+        return directory
+
+    return save
+
+
+@pytest.mark.parametrize("key", SUPPORTED)
+def test_supported_family_resumes_exactly(checkpoint, key):
+    model = load_model(str(checkpoint(key)))
+    assert model.description.linear_layers and model.description.attention_layers
+    tokens = torch.randint(3, model.config.vocab_size - 8, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    full = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
+    cached = capture_prompt(model, tokens[:MATCHED], checkpoint_interval=INTERVAL)
+    hit = Hit(cached, MATCHED)
+    recipes = {
+        "whole-prefix replay": Recipe(MATCHED, 0),  # exact KV, every state rebuilt from zero
+        "checkpoint at the match": Recipe(MATCHED, MATCHED, state_seed=True),
+        "continuation from a kept state": Recipe(MATCHED, MATCHED - INTERVAL, state_seed=True),
+    }
+    for name, recipe in recipes.items():
+        outcome = execute(model, tokens, hit, recipe)
+        torch.testing.assert_close(outcome.logits, full, atol=1e-4, rtol=0, msg=f"{key}: {name}")
+        assert outcome.reused_tokens == MATCHED
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_unsupported_family_is_refused_with_its_reason(checkpoint, key):
+    with pytest.raises(HybridKVError, match=REFUSED[key]) as refusal:
+        load_model(str(checkpoint(key)))
+    assert "\n" not in str(refusal.value)
