@@ -41,6 +41,7 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or a checkpoint directory"
     )
+    _add_device_options(validate)
     validate.add_argument("--prefix-lengths", type=_int_list, default="1000,2048", help="matched prefix lengths L")
     validate.add_argument(
         "--suffix-length", type=int, default=64, help="new tokens after the match (fidelity positions)"
@@ -117,6 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_device_options(run)
     run.add_argument(
         "--data", default=None, help="local data: SQuAD/HotpotQA json for RULER's qa tasks; LongBench's data folder"
     )
@@ -141,6 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ttft.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_device_options(ttft)
     ttft.add_argument("--prefix-lengths", type=_int_list, default="8192,16384,32768", help="matched prefix lengths")
     ttft.add_argument("--budgets", default="0.02,0.05,0.1", help="tail budgets (fractions or e.g. 256tok)")
     ttft.add_argument("--suffix-length", type=int, default=16, help="new tokens after the matched prefix")
@@ -257,7 +260,6 @@ def _ttft(args: argparse.Namespace) -> None:
     from hybridkv.eval.ttft import TTFT_METHODS, run_ttft, table
     from hybridkv.eval.validate import ValidateConfig
     from hybridkv.methods import Budget
-    from hybridkv.models import load_model
 
     config = ValidateConfig(
         model=args.model,
@@ -271,7 +273,7 @@ def _ttft(args: argparse.Namespace) -> None:
         greedy_tokens=1,
     )
     config.check()
-    summary = run_ttft(load_model(args.model, seed=args.seed), config, args.out, show_progress=not args.no_progress)
+    summary = run_ttft(_load(args), config, args.out, show_progress=not args.no_progress)
     print(table(summary["rows"]))
     print(f"\nwrote {args.out / 'summary.json'} and {args.out / 'ttft.png'}")
 
@@ -321,7 +323,6 @@ def _validate(args: argparse.Namespace) -> None:
 
     from hybridkv.eval.validate import ValidateConfig, run_validate
     from hybridkv.methods import Budget
-    from hybridkv.models import load_model
     from hybridkv.report.validate_report import format_table, write_outputs
 
     if args.threads:
@@ -340,7 +341,7 @@ def _validate(args: argparse.Namespace) -> None:
         cache_salt=args.cache_salt,
     )
     config.check()
-    model = load_model(args.model, seed=args.seed)
+    model = _load(args)
     results = run_validate(model, config, show_progress=not args.no_progress)
     print(format_table(results["rows"]))
     if results["store"] is not None:
@@ -417,7 +418,6 @@ def _arena(args: argparse.Namespace) -> None:
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
     from hybridkv.eval.workloads.ruler import MissingDataError
     from hybridkv.methods import Budget
-    from hybridkv.models import load_model
     from hybridkv.models.tokenizer import load_tokenizer
 
     workload = workload_module(args.workload)
@@ -449,13 +449,33 @@ def _arena(args: argparse.Namespace) -> None:
             raise HybridKVError(f"no {args.workload} samples to run (see the messages above)")
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
-    model = load_model(args.model, seed=args.seed)
+    model = _load(args)
     config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None)
     run_arena(
         model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, workload.score,
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     write_summary()
+
+
+def _add_device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (the GPU when there is one, else the CPU)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights, KV and conv windows (recurrent states keep the model library's dtype); full prefill, the "
+        "reference, runs in it too",
+    )
+
+
+def _load(args: argparse.Namespace):
+    from hybridkv.models import load_model
+    from hybridkv.models.loader import DTYPES, resolve_device
+
+    return load_model(args.model, seed=args.seed, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
 
 
 def _quiet_libraries() -> None:

@@ -458,3 +458,34 @@ def test_model_fingerprint_tracks_the_weights(models, name):
 
 def test_model_fingerprint_differs_between_architectures(models):
     assert len({model_fingerprint(models[name]) for name in KEY_MODELS}) == len(KEY_MODELS)
+
+
+def test_checkpoint_fingerprint_reads_the_weights_once(tmp_path):
+    """A checkpoint directory is named by its files' digests, computed once and kept beside it."""
+    from transformers import Qwen3NextForCausalLM
+
+    from hybridkv.cache.keys import DIGESTS_FILE
+    from hybridkv.models import RANDOM_MODELS
+
+    def save(seed: int) -> None:
+        torch.manual_seed(seed)
+        Qwen3NextForCausalLM(RANDOM_MODELS["random-qwen3-next"]()).save_pretrained(tmp_path)
+
+    save(0)
+    first = model_fingerprint(load_model(str(tmp_path)))
+    record_path = tmp_path / DIGESTS_FILE
+    record = json.loads(record_path.read_text())
+    assert set(record) == {"model.safetensors"}
+    assert model_fingerprint(load_model(str(tmp_path))) == first
+    # The kept digest is what names the weights (the file is not read again): change it, and the
+    # fingerprint changes with it.
+    altered = {name: {**entry, "sha256": "0" * 64} for name, entry in record.items()}
+    record_path.write_text(json.dumps(altered))
+    assert model_fingerprint(load_model(str(tmp_path))) != first
+    record_path.write_text(json.dumps(record))
+    assert model_fingerprint(load_model(str(tmp_path))) == first
+    # Rewritten weights are hashed again; the same weights in another dtype are another model.
+    assert model_fingerprint(load_model(str(tmp_path), dtype=torch.bfloat16)) != first
+    save(1)
+    assert model_fingerprint(load_model(str(tmp_path))) != first
+    assert json.loads(record_path.read_text())["model.safetensors"]["sha256"] != record["model.safetensors"]["sha256"]

@@ -15,7 +15,7 @@ from hybridkv.models.loader import HybridModel
 
 
 def zero_states(model: HybridModel) -> LinearStates:
-    return adapter.zero_states(model.description, model.dtype)
+    return adapter.zero_states(model.description, model.dtype, model.device)
 
 
 def assemble_cache(model: HybridModel, kv: PromptKV | None, states: LinearStates | None) -> DynamicCache:

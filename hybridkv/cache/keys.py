@@ -13,9 +13,11 @@ Everything is SHA-256 over explicit bytes (token ids as little-endian int64), ne
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,16 +42,68 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     return np.asarray(tokens, dtype="<i8").tobytes()
 
 
-def model_fingerprint(model: HybridModel) -> str:
-    """Architecture + canonical config + weights digest, as hex."""
-    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
+DIGESTS_FILE = "hybridkv-digests.json"  # beside a checkpoint: each weight file's digest, computed once
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_digest(directory: Path) -> bytes:
+    """A checkpoint directory's weights, read once: each safetensors file's name, size and SHA-256.
+
+    The digests are kept in `hybridkv-digests.json` beside the weights, keyed by size and
+    modification time (a rewritten file is hashed again), so fingerprinting a 600 GB checkpoint
+    reads it the first time only. A directory we cannot write to is hashed every time.
+    """
+    record_path = directory / DIGESTS_FILE
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    files, changed = [], False
+    for path in sorted(directory.glob("*.safetensors")):
+        stat = path.stat()
+        stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        known = record.get(path.name)
+        if not (isinstance(known, dict) and {k: known.get(k) for k in stamp} == stamp and "sha256" in known):
+            known, changed = {**stamp, "sha256": _file_digest(path)}, True
+            record[path.name] = known
+        files.append(f"{path.name}:{stat.st_size}:{known['sha256']}")
+    if changed:
+        with contextlib.suppress(OSError):  # a read-only checkpoint: correct, only slower next time
+            record_path.write_text(json.dumps(record, indent=1, sort_keys=True))
+    return "\n".join(files).encode()
+
+
+def _tensor_digest(model: HybridModel) -> bytes:
     weights = hashlib.sha256()
     for module in (model.backbone, model.lm_head):
         for name, tensor in sorted(module.state_dict().items()):
             weights.update(name.encode())
             weights.update(str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
-            weights.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights.digest()).hex()
+            weights.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return weights.digest()
+
+
+def model_fingerprint(model: HybridModel) -> str:
+    """Architecture + canonical config + weights digest + the dtype the weights run in, as hex.
+
+    A checkpoint directory's weights are named by their files' digests (`checkpoint_digest`);
+    built-in models, a few MB each, by their tensors' bytes.
+    """
+    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
+    directory = Path(model.name)
+    if directory.is_dir() and any(directory.glob("*.safetensors")):
+        weights = checkpoint_digest(directory)
+    else:
+        weights = _tensor_digest(model)
+    dtype = str(model.dtype).encode()
+    return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights, dtype).hex()
 
 
 class PrefixKeys:

@@ -245,9 +245,11 @@ def run_validate(model: HybridModel, config: ValidateConfig, show_progress: bool
             "repeats": config.repeats,
             "greedy_tokens": config.greedy_tokens,
             "torch_threads": torch.get_num_threads(),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
         },
-        "reference": "full prefill of the new prompt in one pass from an empty cache; "
-        "fidelity over the suffix positions",
+        "reference": f"full prefill of the new prompt in one pass from an empty cache, in "
+        f"{str(model.dtype).removeprefix('torch.')} on {model.device}; fidelity over the suffix positions",
         "store": {"url": config.store, "events": store.stats()} if store is not None else None,
         "rows": rows,
     }

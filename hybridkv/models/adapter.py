@@ -104,14 +104,21 @@ def _spliceable(layer: object) -> object:
 
 
 class HybridCache(DynamicCache):
-    """The model's `DynamicCache` layout with spliceable attention layers."""
+    """The model's `DynamicCache` layout with spliceable attention layers, on the model's device."""
 
-    def __init__(self, config: PreTrainedConfig) -> None:
+    def __init__(self, config: PreTrainedConfig, device: torch.device | str = "cpu") -> None:
         Cache.__init__(self, layers=[_spliceable(layer) for layer in DynamicCache(config=config).layers])
+        self.device = torch.device(device)
 
 
-def new_cache(config: PreTrainedConfig) -> HybridCache:
-    return HybridCache(config)
+def new_cache(config: PreTrainedConfig, device: torch.device | str = "cpu") -> HybridCache:
+    return HybridCache(config, device)
+
+
+def _on(cache: DynamicCache, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` where the cache lives (stored pieces arrive on the CPU)."""
+    device = getattr(cache, "device", tensor.device)
+    return tensor if tensor.device == device else tensor.to(device)
 
 
 def _token_dims(layer: object) -> dict[str, int]:
@@ -187,9 +194,9 @@ def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
         layer = cache.layers[index]
         if layer.get_seq_length():
             raise ValueError(f"layer {index} already holds {layer.get_seq_length()} tokens; write KV to a fresh cache")
-        layer.update(layer_kv["keys"], layer_kv["values"])
+        layer.update(_on(cache, layer_kv["keys"]), _on(cache, layer_kv["values"]))
         if "indexer_keys" in layer_kv.tensors:
-            layer.update_indexer(layer_kv["indexer_keys"])
+            layer.update_indexer(_on(cache, layer_kv["indexer_keys"]))
 
 
 def read_states(description: ModelDescription, cache: DynamicCache) -> LinearStates:
@@ -206,8 +213,9 @@ def write_states(cache: DynamicCache, states: LinearStates) -> None:
         layer = cache.layers[index]
         for name, tensor in state.tensors.items():
             kind, slot = name.split(".")
+            tensor = _on(cache, tensor)
             if kind == "conv":
-                # On a fresh layer this stores the window as-is; the kernel size is the window's.
+                # On a fresh layer this stores the window as-is (a copy: it is updated in place later).
                 layer.update_conv_state(tensor.clone(), state_idx=int(slot), conv_kernel_size=tensor.shape[-1])
             else:
                 layer.update_recurrent_state(tensor, state_idx=int(slot))
@@ -215,12 +223,14 @@ def write_states(cache: DynamicCache, states: LinearStates) -> None:
             layer.has_previous_state[int(slot)] = True
 
 
-def zero_states(description: ModelDescription, dtype: torch.dtype) -> LinearStates:
+def zero_states(description: ModelDescription, dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearStates:
     """Every linear layer's state before any token: conv windows in `dtype`, recurrent states in their own."""
     return {
         spec.index: LinearState(
             {
-                name: torch.zeros(shape, dtype=dtype if name.startswith("conv") else getattr(torch, state_dtype))
+                name: torch.zeros(
+                    shape, dtype=dtype if name.startswith("conv") else getattr(torch, state_dtype), device=device
+                )
                 for name, shape, state_dtype in spec.state_tensors
             }
         )
