@@ -13,5 +13,5 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 scripts/setup.sh --test
-.venv/bin/ruff check hybridkv tests benchmarks
+.venv/bin/ruff check hybridkv tests benchmarks scripts
 .venv/bin/python -m pytest "$@"

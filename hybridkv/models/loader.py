@@ -264,18 +264,27 @@ def load_model(
     else:
         known = ", ".join(BUILTIN_MODELS)
         raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {known}")
+    return wrap_modules(name_or_dir, config, backbone, lm_head, device)
+
+
+def wrap_modules(
+    name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module, device: torch.device | str = "cpu"
+) -> HybridModel:
+    """A `HybridModel` from a transformers decoder and LM head already built (e.g. at a real model's
+    size with random weights, straight on a GPU): described, checked as `load_model` checks."""
     backbone, lm_head = backbone.to(device).eval(), lm_head.to(device).eval()
-    description = _describe(name_or_dir, config, backbone, lm_head)
+    description = _describe(name, config, backbone, lm_head)
     if not description.linear_layers:
         raise HybridKVError(
-            f"model {name_or_dir!r} ({config.model_type}) has no linear-attention or state-space layers; "
+            f"model {name!r} ({config.model_type}) has no linear-attention or state-space layers; "
             "hybridkv is for hybrid models (a plain transformer's prefix cache needs no state recovery)"
         )
     if not description.attention_layers:
-        raise HybridKVError(f"model {name_or_dir!r} ({config.model_type}) has no attention layers to cache")
-    model = HybridModel(name_or_dir, config, backbone, lm_head, description)
-    if (reason := why_not_resumable(model, tolerance=RESUME_TOLERANCE[dtype == torch.float32])) is not None:
-        raise HybridKVError(f"model {name_or_dir!r} ({config.model_type}) cannot be resumed exactly: {reason}")
+        raise HybridKVError(f"model {name!r} ({config.model_type}) has no attention layers to cache")
+    model = HybridModel(name, config, backbone, lm_head, description)
+    tolerance = RESUME_TOLERANCE[model.dtype == torch.float32]
+    if (reason := why_not_resumable(model, tolerance=tolerance)) is not None:
+        raise HybridKVError(f"model {name!r} ({config.model_type}) cannot be resumed exactly: {reason}")
     return model
 
 
