@@ -27,20 +27,31 @@ LOW_TOKEN = 3
 
 
 class ModelCache:
-    """Loads each tiny model once (seed 0, float32) and hands the same object back."""
+    """Loads each tiny model once (seed 0, float32) and hands the same object back.
 
-    def __init__(self) -> None:
+    `family:<key>` is the random checkpoint of one of `tests/families.py`'s families, saved by
+    transformers and loaded as a user's checkpoint directory."""
+
+    def __init__(self, scratch) -> None:
         self._models: dict[str, object] = {}
+        self._scratch = scratch
 
     def __getitem__(self, name: str):
         if name not in self._models:
-            self._models[name] = load_model(name)
+            if name.startswith("family:"):
+                from tests.families import save_random_checkpoint
+
+                directory = self._scratch.mktemp(name.removeprefix("family:").replace("-", "_"))
+                save_random_checkpoint(name.removeprefix("family:"), directory)
+                self._models[name] = load_model(str(directory))
+            else:
+                self._models[name] = load_model(name)
         return self._models[name]
 
 
 @pytest.fixture(scope="session")
-def models() -> ModelCache:
-    return ModelCache()
+def models(tmp_path_factory) -> ModelCache:
+    return ModelCache(tmp_path_factory)
 
 
 def random_tokens(n: int, seed: int, vocab: int) -> torch.Tensor:

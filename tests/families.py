@@ -255,6 +255,9 @@ def falcon_h1() -> FalconH1Config:
         num_attention_heads=4,
         num_key_value_heads=2,
         mamba_d_ssm=128,
+        # µP multipliers on the SSM projection (z, x, B, C, Δ): a Δ scale that is not 1 is what
+        # tests the decay probe reads Δ after them
+        ssm_multipliers=[1.0, 1.0, 1.0, 1.0, 0.37],
         **_mamba2(),
     )
 

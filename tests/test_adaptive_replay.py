@@ -17,12 +17,17 @@ from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.methods import Budget, dropped_state_bound, execute, get_method
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
 from hybridkv.models import RANDOM_MODELS
-from hybridkv.models.adapter import read_states
-from hybridkv.models.decay import DECAY_CHUNK
+from hybridkv.models.adapter import read_kv, read_states
+from hybridkv.models.decay import DECAY_CHUNK, record_decay
 from hybridkv.store import GuardedStore, open_store
 from tests.conftest import random_tokens
 
 NAMES = list(RANDOM_MODELS)
+# Users' checkpoints of the families with a gate probe (tests/families.py). The random Mamba-2
+# families forget within a chunk (bounds of e^-80 and below), so their probes are checked token by
+# token instead (test_mamba2_probes_give_the_exact_decay_token_by_token).
+MAMBA2_FAMILIES = ["family:granitemoehybrid", "family:bamba", "family:falcon_h1", "family:zamba2"]
+PROBED = [*NAMES, "family:qwen3_5"]
 START, END = 2 * DECAY_CHUNK, 6 * DECAY_CHUNK  # a replay window on chunk boundaries
 
 
@@ -40,7 +45,7 @@ def captured(models):
     return get
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PROBED)
 def test_first_layer_state_error_obeys_the_decay_bound(captured, name):
     model, tokens, cached = captured(name)
     first = model.description.linear_layers[0]
@@ -69,7 +74,7 @@ def test_first_layer_state_error_obeys_the_decay_bound(captured, name):
     assert cached.decay.bound(START, END) >= float(per_head_bound.max()) * (1 - 1e-6)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PROBED)
 def test_adaptive_tail_is_the_shortest_under_the_tolerance(captured, name):
     model, tokens, cached = captured(name)
     store = PrefixCache()
@@ -90,6 +95,51 @@ def test_adaptive_tail_is_the_shortest_under_the_tolerance(captured, name):
             assert cached.decay.bound(shorter, matched) >= tolerance
         capped = method.recipe(hit, Budget(tokens=DECAY_CHUNK))
         assert matched - capped.state_position == min(tail, DECAY_CHUNK)
+
+
+@pytest.mark.parametrize("name", ["random-nemotron-h", *MAMBA2_FAMILIES])
+def test_mamba2_probes_give_the_exact_decay_token_by_token(models, name):
+    """Mamba-2's state difference after t tokens is exactly Π exp(Δ·A) of the starting difference,
+    per head: the probe (Falcon-H1's µP multipliers included) must read that Δ."""
+    model = models[name]
+    tokens = random_tokens(40, seed=3, vocab=model.config.vocab_size)
+    first = model.description.linear_layers[0]
+    assert first == 0  # its inputs are the embeddings, the same in both runs
+    true = model.new_cache()
+    model.forward(tokens[:32], true, start=0)
+    kv, states = read_kv(model.description, true).clone(), read_states(model.description, true)
+    zeroed = {
+        i: LinearState({n: t if n.startswith("conv") else torch.zeros_like(t) for n, t in s.tensors.items()})
+        for i, s in states.items()
+    }
+    wrong = assemble_cache(model, kv, zeroed)
+    with record_decay(model) as gates:
+        model.forward(tokens[32:35], wrong, start=32)
+    model.forward(tokens[32:35], true, start=32)
+    log_decay = torch.cat(gates[0]).double().sum(0)  # first linear layer, [heads]
+    error = (
+        read_states(model.description, true)[first]["recurrent.0"]
+        - read_states(model.description, wrong)[first]["recurrent.0"]
+    )
+    ratio = error.double()[0].flatten(1).norm(dim=1) / states[first]["recurrent.0"].double()[0].flatten(1).norm(dim=1)
+    assert (log_decay > -5).any()  # not vacuous: some head keeps over 1% of its state over 3 tokens
+    torch.testing.assert_close(ratio, log_decay.exp(), rtol=1e-3, atol=1e-6)  # atol: float32 noise of a difference
+
+
+@pytest.mark.parametrize("name", ["family:lfm2", "family:lfm2_vl"])
+def test_a_short_conv_model_is_recovered_exactly_by_one_chunk(captured, name):
+    """LFM2's layers keep only a K − 1 token window: adaptive-replay knows a whole chunk recovers them."""
+    model, tokens, cached = captured(name)
+    store = PrefixCache()
+    store.add(cached)
+    prompt = torch.cat([tokens[: 7 * DECAY_CHUNK + 10], torch.tensor([7, 8, 9, 10])])
+    hit = store.lookup(prompt)
+    recipe = AdaptiveReplay(tolerance=1e-9).recipe(hit, Budget(fraction=1.0))
+    assert hit.length - recipe.state_position < 2 * DECAY_CHUNK  # the first whole chunk, not the prefix
+    assert dropped_state_bound(hit, recipe) == 0.0
+    reference = model.forward(prompt, model.new_cache(), start=0, logits_to_keep=4)
+    outcome = execute(model, prompt, hit, recipe, logits_to_keep=4)
+    torch.testing.assert_close(outcome.logits, reference, atol=1e-4, rtol=0)
 
 
 def test_adaptive_replay_of_everything_is_exact(captured):

@@ -9,10 +9,27 @@ from hybridkv import HybridKVError
 from hybridkv.models.arch import ARCHITECTURES, architecture_for, by_name, cache_sizes, cost_model
 from hybridkv.models.tiny import RANDOM_MODELS
 from hybridkv.train.shapes import TRAINABLE
+from tests.families import FAMILIES
+
+# tests/families.py's supported checkpoints -> the architecture module that must claim them
+FAMILY_ARCHITECTURES = {
+    "qwen3_5": "qwen3-5",
+    "qwen3_5-vl": "qwen3-5",
+    "qwen3_5_moe": "qwen3-5",
+    "qwen3_5_moe-vl": "qwen3-5",
+    "granitemoehybrid": "granite-4",
+    "bamba": "bamba",
+    "falcon_h1": "falcon-h1",
+    "zamba2": "zamba2",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2",
+    "lfm2_vl": "lfm2",
+}
+BUILT_IN = [a for a in ARCHITECTURES if a.tiny_config is not None]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
-def test_a_saved_config_finds_its_architecture(arch, tmp_path):
+@pytest.mark.parametrize("arch", BUILT_IN, ids=lambda a: a.name)
+def test_a_saved_built_in_config_finds_its_architecture(arch, tmp_path):
     arch.tiny_config().save_pretrained(tmp_path)
     assert architecture_for(AutoConfig.from_pretrained(tmp_path)) is arch
     assert by_name(arch.name) is arch
@@ -20,9 +37,23 @@ def test_a_saved_config_finds_its_architecture(arch, tmp_path):
     assert (arch.trained_name in TRAINABLE) == bool(arch.trained_shape)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.decay_probe], ids=lambda a: a.name)
-def test_decay_probes_hook_every_linear_layer_and_no_other(models, arch):
-    model = models[arch.random_name]
+@pytest.mark.parametrize("key", sorted(FAMILY_ARCHITECTURES))
+def test_a_family_checkpoints_config_finds_its_architecture(key):
+    assert architecture_for(FAMILIES[key]()) is by_name(FAMILY_ARCHITECTURES[key])
+
+
+def _probed() -> list[str]:
+    names = [a.random_name for a in BUILT_IN if a.decay_probe]
+    families = {}
+    for key, arch in FAMILY_ARCHITECTURES.items():  # one checkpoint per architecture
+        families.setdefault(arch, f"family:{key}")
+    return names + list(families.values())
+
+
+@pytest.mark.parametrize("name", _probed())
+def test_decay_probes_hook_every_linear_layer_and_no_other(models, name):
+    model = models[name]
+    arch = architecture_for(model.config)
     linear = set(model.description.linear_layers)
     for index, layer in enumerate(model.backbone.layers):
         found = arch.decay_probe(layer)

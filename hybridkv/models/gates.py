@@ -7,6 +7,8 @@ one-line gate formulas (their modules expose only the gate's inputs).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,10 +27,16 @@ def gdn_gate(mixer: nn.Module, a: torch.Tensor) -> torch.Tensor:
 
 
 def mamba2_dt(mixer: nn.Module) -> Probe:
-    """Mamba-2: `in_proj` ends with the per-head Δ; log decay = Δ·A with Δ = clamp(softplus(Δ + dt_bias))."""
+    """Mamba-2: `in_proj` ends with the per-head Δ; log decay = Δ·A with Δ = clamp(softplus(Δ + dt_bias)).
+
+    Falcon-H1 scales the projection by its µP multipliers (`mup_vector`) before splitting it."""
+    scale = getattr(mixer, "mup_vector", None)
 
     def probe(projected: torch.Tensor) -> torch.Tensor:
-        dt = F.softplus(projected[0, :, -mixer.num_heads :].float() + mixer.dt_bias.float())
+        raw = projected[0, :, -mixer.num_heads :].float()
+        if scale is not None:
+            raw = raw * scale.reshape(-1)[-mixer.num_heads :].float()
+        dt = F.softplus(raw + mixer.dt_bias.float())
         dt = dt.clamp(*mixer.time_step_limit)
         return dt * -mixer.A_log.float().exp()
 
@@ -41,6 +49,37 @@ def submodule(layer: nn.Module, path: str) -> nn.Module | None:
         return layer.get_submodule(path)
     except AttributeError:
         return None
+
+
+def mamba2_probe(*paths: str):
+    """A probe finder for the Mamba-2 mixer at the first of `paths` a decoder layer has (None: it has none)."""
+
+    def find(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
+        for path in paths:
+            mixer = submodule(layer, path)
+            if mixer is not None and hasattr(mixer, "A_log"):
+                return mixer.in_proj, mamba2_dt(mixer)
+        return None
+
+    return find
+
+
+def gdn_probe(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
+    """Gated DeltaNet mixers that project `a` on their own (Qwen3.5's `in_proj_a`)."""
+    mixer = submodule(layer, "linear_attn")
+    return None if mixer is None else (mixer.in_proj_a, lambda a: gdn_gate(mixer, a))
+
+
+def short_conv_probe(path: str):
+    """Short-convolution layers (LFM2) keep only their last K − 1 inputs: any whole chunk of tokens
+    replaces the window entirely, so each token's log-decay is −∞ (one "head"). `path` names the
+    layer's input projection ([B, T, ...], called once per forward)."""
+
+    def find(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
+        projection = submodule(layer, path)
+        return None if projection is None else (projection, lambda out: torch.full((out.shape[1], 1), -math.inf))
+
+    return find
 
 
 def kda_probe(layer: nn.Module) -> tuple[nn.Module, Probe] | None:

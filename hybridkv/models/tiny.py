@@ -24,7 +24,7 @@ from hybridkv.models.arch import ARCHITECTURES
 # name -> config factory; keyword arguments override the random model's settings (the trained
 # shapes are these with other sizes: each architecture's `trained_shape`).
 RANDOM_MODELS: dict[str, Callable[..., PreTrainedConfig]] = {
-    arch.random_name: arch.tiny_config for arch in ARCHITECTURES
+    arch.random_name: arch.tiny_config for arch in ARCHITECTURES if arch.tiny_config is not None
 }
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 # Trained models shipped with the package: name -> directory with config.json and model.safetensors.

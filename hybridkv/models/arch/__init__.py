@@ -10,13 +10,31 @@ from dataclasses import replace
 from transformers import PreTrainedConfig
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.arch import glm5_next, kimi_linear, nemotron_h, olmo_hybrid, qwen3_next
+from hybridkv.models.arch import (
+    bamba,
+    falcon_h1,
+    glm5_next,
+    granitemoehybrid,
+    kimi_linear,
+    lfm2,
+    nemotron_h,
+    olmo_hybrid,
+    qwen3_5,
+    qwen3_next,
+    zamba2,
+)
 from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, CacheSizes, Probe
 from hybridkv.models.cost import CostModel
 
+# The five with a built-in tiny config (random-<name>) first; then the families hybridkv supports
+# in users' checkpoints (their random checkpoints are tests/families.py's).
 ARCHITECTURES: tuple[Architecture, ...] = tuple(
-    module.ARCHITECTURE for module in (glm5_next, qwen3_next, kimi_linear, olmo_hybrid, nemotron_h)
-)
+    module.ARCHITECTURE
+    for module in (
+        glm5_next, qwen3_next, kimi_linear, olmo_hybrid, nemotron_h,
+        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2,
+    )
+)  # fmt: skip
 _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}
 
 

@@ -2,7 +2,8 @@
 
 A family is one module in this package that builds one `Architecture`; the registry
 (`hybridkv.models.arch`) is the only place the rest of hybridkv asks. Everything a family
-brings is optional except its transformers model types and its tiny config: the decay probe
+brings is optional except its transformers model types: a tiny config (a random-<name>
+built-in), the decay probe
 (for adaptive-replay), the cost model and cache-size formulas (for `hybridkv plan` and the
 speed bounds), a trained shape (for `hybridkv train`) and a vLLM-servable variant.
 """
@@ -48,7 +49,9 @@ class CacheSizes:
 class Architecture:
     name: str  # the family, as built-in names spell it: random-<name>, tiny-<name>
     model_types: tuple[str, ...]  # transformers `model_type`s it covers (text and multimodal)
-    tiny_config: Callable[..., PreTrainedConfig]  # the random built-in's config; keywords override
+    # The random built-in's config (keywords override), or None: a family supported in users'
+    # checkpoints without a built-in tiny model.
+    tiny_config: Callable[..., PreTrainedConfig] | None = None
     # Where to hook one decoder layer to read its forgetting, and how to read the hooked output.
     decay_probe: Callable[[nn.Module], tuple[nn.Module, Probe] | None] | None = None
     cost_model: Callable[[PreTrainedConfig], CostModel] | None = None
