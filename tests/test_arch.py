@@ -60,11 +60,20 @@ def test_decay_probes_hook_every_linear_layer_and_no_other(models, name):
         assert (found is not None) == (index in linear), index
 
 
-def test_families_without_formulas_are_refused_by_name():
-    olmo = by_name("olmo-hybrid").tiny_config()
-    with pytest.raises(HybridKVError, match="olmo_hybrid"):
-        cost_model(olmo)
-    with pytest.raises(HybridKVError, match="olmo_hybrid"):
-        cache_sizes(olmo)
+@pytest.mark.parametrize("key", sorted(FAMILY_ARCHITECTURES))
+def test_every_supported_family_has_config_only_sizes_and_costs(key):
+    """`hybridkv plan` speaks about any supported checkpoint without its weights (meta device)."""
+    config = FAMILIES[key]()
+    sizes = cache_sizes(config)
+    costs = cost_model(config)
+    assert sizes.linear_layers > 0 and sizes.attention_layers > 0
+    assert len(costs.layers) == config.get_text_config().num_hidden_layers
+    assert sum(layer.kv_bytes_per_token for layer in costs.layers) == sizes.kv_bytes_per_token
+    assert costs.prefill_flops(0, 4096) > costs.prefill_flops(4000, 4096) > 0
+
+
+def test_a_config_that_cannot_be_described_is_refused_by_name():
+    with pytest.raises(HybridKVError, match="minimax"):
+        cache_sizes(FAMILIES["minimax"]())
     with pytest.raises(HybridKVError, match="unknown architecture"):
         by_name("mamba-3")

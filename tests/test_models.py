@@ -294,3 +294,14 @@ def test_glm5_3_flash_cache_sizes():
     assert (full.linear_layers, full.attention_layers) == (34, 11)
     assert full.kv_bytes_per_token_per_layer == (512 + 0 + 2 * 128 + 1) * 2  # latent + indexer key, bf16
     assert full.state_bytes_per_layer == 64 * 128 * 128 * 4 + 3 * 64 * 128 * 4 * 2
+    # the library's own modules at full size, on the meta device, cache exactly that
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    from hybridkv.models.arch import cache_sizes
+
+    meta = cache_sizes(Glm5NextTextConfig())
+    assert (meta.linear_layers, meta.attention_layers) == (34, 11)
+    assert (meta.kv_bytes_per_token, meta.state_bytes_per_checkpoint) == (
+        full.kv_bytes_per_token,
+        full.state_bytes_per_checkpoint,
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hybridkv.cli import main
 from hybridkv.eval.plan import Workload, load_config, make_plan
@@ -65,11 +66,11 @@ def test_predicted_speedups_order_as_the_recomputed_tokens():
     assert speedups == sorted(speedups, reverse=True) and speedups[-1] == 1.0
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.cache_sizes], ids=lambda a: a.name)
-def test_cache_size_formulas_match_the_probed_tiny_model(models, arch):
-    """The config-only arithmetic quoted for full-size models must agree with what the model caches."""
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.tiny_config], ids=lambda a: a.name)
+def test_config_only_cache_sizes_match_the_loaded_tiny_model(models, arch):
+    """The sizes quoted for full-size models (meta device, no weights) equal what a real model caches."""
     model = models[arch.random_name]
-    sizes = cache_sizes(model.config, dtype_bytes=4, state_dtype_bytes=4)  # the tiny models run in float32
+    sizes = cache_sizes(model.config, torch.float32)  # the tiny models run in float32
     description = model.description
     assert (sizes.linear_layers, sizes.attention_layers) == (
         len(description.linear_layers),
@@ -84,23 +85,27 @@ def test_plan_cli_json_and_errors(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert {"model", "kv_bytes_per_token", "state_bytes_per_checkpoint", "linear_layers", "attention_layers",
             "schemes", "predictions"} <= set(out)  # fmt: skip
-    assert main(["plan", "--model", "random-olmo-hybrid"]) == 2
-    assert "no cache-size formulas" in capsys.readouterr().err
+    assert main(["plan", "--json", "--model", "random-olmo-hybrid"]) == 0  # the generic cost model
+    olmo = load_config("random-olmo-hybrid")
+    assert json.loads(capsys.readouterr().out)["linear_layers"] == olmo.layer_types.count("linear_attention")
     assert main(["plan", "--budgets", "7"]) == 2
     (tmp_path / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(tmp_path)]) == 2
     assert "cannot read its config" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["random-glm5-next", "random-qwen3-next"])
-def test_weights_read_by_a_large_call_are_the_models_own_parameters(models, name):
-    """Every expert touched: the cost model's weight bytes equal the loaded model's matrices."""
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.tiny_config], ids=lambda a: a.name)
+def test_weights_read_by_a_large_call_are_the_models_own_parameters(models, arch):
+    """Every expert touched: the cost model's weight bytes (the family's own, or the generic one
+    built on the meta device) equal the loaded model's matrices."""
+    name = arch.random_name
     model = models[name]
     costs = cost_model(model.config)
     predicted = sum(layer.weights_read(10**7) for layer in costs.layers) + costs.head_bytes
     matrices = sum(p.numel() for n, p in model.backbone.named_parameters() if p.dim() >= 2 and "embed" not in n)
     matrices += model.lm_head.weight.numel()
-    assert predicted / 2 == pytest.approx(matrices, rel=1e-3)  # bf16; norms and biases left out
+    # bf16; vectors (norms, biases, gates) are under 1%: the generic model counts them, the own ones do not
+    assert predicted / 2 == pytest.approx(matrices, rel=1e-2)
 
 
 def test_roofline_time_is_the_slower_of_compute_and_memory():

@@ -170,3 +170,52 @@ def moe(config, d: int) -> FeedForward:
     if not experts:
         return dense_mlp(config, d)
     return FeedForward(2 * (experts * 3 * d * inter + shared + router), shared + router, 3 * d * inter, routed, experts)
+
+
+def generic_cost_model(config, backbone, description) -> CostModel:
+    """The cost model of any family, from its decoder built on the meta device and its description.
+
+    Per layer: 2 FLOPs per active parameter (routed experts at top-k of E), ~6 per recurrent-state
+    entry for the recurrence, and for attention layers the context term of
+    `description.attention_flops_per_context_token`; bytes as the hand-written models count them,
+    with the KV and state sizes the description read off the cache. It does not know a family's
+    sparse attention (DSA) or extra mixing, which the family's own cost model adds where it has one.
+    """
+    n_experts = first_set(config, "n_routed_experts", "num_experts", "num_local_experts", default=0)
+    top_k = first_set(config, "num_experts_per_tok", default=1)
+    attention_layers = len(description.attention_layers) or 1
+    per_context = description.attention_flops_per_context_token / attention_layers
+    activations = 4 * config.hidden_size * WEIGHT_BYTES
+    layers = []
+    for spec, layer in zip(description.layers, backbone.layers, strict=True):
+        params = sum(p.numel() for p in layer.parameters())
+        routed = sum(
+            sum(p.numel() for p in module.parameters(recurse=False))
+            for module in layer.modules()
+            if type(module).__name__.endswith("Experts")  # transformers' fused routed-expert modules
+        )
+        active = params - routed + (routed * top_k / n_experts if n_experts else 0)
+        recurrent = sum(_numel(shape) for name, shape, _ in spec.state_tensors if name.startswith("recurrent"))
+        layers.append(
+            LayerCost(
+                "attention" if spec.token_dims else "linear",
+                flops_per_token=2 * active + 6 * recurrent,
+                flops_per_context_token=per_context if spec.token_dims else 0.0,
+                weight_bytes=(params - routed) * WEIGHT_BYTES,
+                expert_bytes=routed / n_experts * WEIGHT_BYTES if n_experts and routed else 0.0,
+                experts=n_experts if routed else 0,
+                experts_per_token=top_k if routed else 0,
+                activation_bytes_per_token=activations,
+                kv_bytes_per_token=spec.kv_bytes_per_token,
+                state_bytes=spec.state_bytes,
+            )
+        )
+    head = config.hidden_size * config.vocab_size
+    return CostModel(config.model_type, tuple(layers), 2 * head, head * WEIGHT_BYTES)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -25,6 +25,7 @@ from hybridkv.models.adapter import (
     write_kv,
     write_states,
 )
+from hybridkv.models.arch import architecture_for
 from hybridkv.models.describe import ModelDescription, attention_flops_per_context_token, count_parameters
 from hybridkv.models.kv import LinearState, LinearStates
 from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
@@ -101,13 +102,13 @@ class HybridModel:
 
 def model_from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
     """The library's model for `config`, initialised by the library under the current torch seed."""
-    if config.model_type == GLM5_TEXT:
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
-
-        backbone = Glm5NextTextModel(config)
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        backbone._init_weights(lm_head)  # the library's own initialisation for the head too
-        return backbone, lm_head
+    arch = architecture_for(config)
+    if (
+        arch is not None
+        and arch.decoder_and_head is not None
+        and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
+        return arch.decoder_and_head(config)
     model = AutoModelForCausalLM.from_config(config)
     return model.get_decoder(), model.get_output_embeddings()
 
@@ -201,7 +202,8 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
     return model.config.get_text_config(), model.get_decoder(), model.get_output_embeddings()
 
 
-def _describe(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> ModelDescription:
+def describe_modules(name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> ModelDescription:
+    """What the model caches per layer, read off a probe forward of two tokens (`describe_layers`)."""
     device = lm_head.weight.device
     cache = new_cache(config, device)
     probe = torch.tensor([[1, 2]], device=device)
@@ -273,7 +275,7 @@ def wrap_modules(
     """A `HybridModel` from a transformers decoder and LM head already built (e.g. at a real model's
     size with random weights, straight on a GPU): described, checked as `load_model` checks."""
     backbone, lm_head = backbone.to(device).eval(), lm_head.to(device).eval()
-    description = _describe(name, config, backbone, lm_head)
+    description = describe_modules(name, config, backbone, lm_head)
     if not description.linear_layers:
         raise HybridKVError(
             f"model {name!r} ({config.model_type}) has no linear-attention or state-space layers; "

@@ -3,9 +3,10 @@
 A family is one module in this package that builds one `Architecture`; the registry
 (`hybridkv.models.arch`) is the only place the rest of hybridkv asks. Everything a family
 brings is optional except its transformers model types: a tiny config (a random-<name>
-built-in), the decay probe
-(for adaptive-replay), the cost model and cache-size formulas (for `hybridkv plan` and the
-speed bounds), a trained shape (for `hybridkv train`) and a vLLM-servable variant.
+built-in), the decay probe (for adaptive-replay), a cost model of its own (for `hybridkv plan`
+and the speed bounds; every family has the generic one), a trained shape (for `hybridkv train`)
+and a vLLM-servable variant. Cache sizes need nothing: they are read off the library's modules
+on the meta device (`hybridkv.models.meta`).
 """
 
 from __future__ import annotations
@@ -28,24 +29,6 @@ Probe = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class CacheSizes:
-    """A full-size model's cache, from its config alone: bytes per token of attention KV, per linear layer of state."""
-
-    linear_layers: int
-    attention_layers: int
-    kv_bytes_per_token_per_layer: int
-    state_bytes_per_layer: int
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_token_per_layer * self.attention_layers
-
-    @property
-    def state_bytes_per_checkpoint(self) -> int:
-        return self.state_bytes_per_layer * self.linear_layers
-
-
-@dataclass(frozen=True)
 class Architecture:
     name: str  # the family, as built-in names spell it: random-<name>, tiny-<name>
     model_types: tuple[str, ...]  # transformers `model_type`s it covers (text and multimodal)
@@ -54,9 +37,12 @@ class Architecture:
     tiny_config: Callable[..., PreTrainedConfig] | None = None
     # Where to hook one decoder layer to read its forgetting, and how to read the hooked output.
     decay_probe: Callable[[nn.Module], tuple[nn.Module, Probe] | None] | None = None
+    # A cost model of the family's own (config -> CostModel); without one, the generic cost
+    # model of `hybridkv.models.cost` is built from the modules on the meta device.
     cost_model: Callable[[PreTrainedConfig], CostModel] | None = None
-    # (config, bytes per KV / conv entry, bytes per recurrent-state entry) -> sizes
-    cache_sizes: Callable[[PreTrainedConfig, int, int], CacheSizes] | None = None
+    # transformers has no causal-LM class for some text decoders (GLM-5.3-Flash's): build
+    # (decoder, LM head) for a config here; None: AutoModelForCausalLM.
+    decoder_and_head: Callable[[PreTrainedConfig], tuple[nn.Module, nn.Module]] | None = None
     # Overrides of `tiny_config` that give the shape `hybridkv train` trains (tiny-<name>).
     trained_shape: dict = field(default_factory=dict)
     # A variant of `tiny_config` that vLLM's CPU build can serve, or None.

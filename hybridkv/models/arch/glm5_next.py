@@ -10,15 +10,19 @@ Cache sizes, from the config alone (no weights):
                                             + 3 × heads × head_dim channels × conv kernel (q, k, v
                                               short-conv windows, model dtype)
 
-The tiny model's probe-derived description must agree with these formulas (a test checks it),
-which is what lets us quote the full-size numbers without 320B weights.
+They feed GLM's own cost model below (its DSA indexer and hyper-connections need more than the
+generic one sees) and the store benchmark's entry sizes; the meta-device description of the
+full-size config must agree with them (a test checks it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch import nn
 from transformers import PreTrainedConfig
 
-from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, CacheSizes
+from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture
 from hybridkv.models.cost import STATE_BYTES, WEIGHT_BYTES, CostModel, LayerCost, dense_mlp, moe
 from hybridkv.models.gates import kda_probe
 
@@ -56,7 +60,25 @@ def tiny_config(**overrides) -> PreTrainedConfig:
     )
 
 
-def cache_sizes(config: PreTrainedConfig | None = None, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> CacheSizes:
+@dataclass(frozen=True)
+class Glm5Sizes:
+    """GLM-5.3-Flash's cache by the formulas above: per MLA layer and token, per KDA layer."""
+
+    linear_layers: int
+    attention_layers: int
+    kv_bytes_per_token_per_layer: int
+    state_bytes_per_layer: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token_per_layer * self.attention_layers
+
+    @property
+    def state_bytes_per_checkpoint(self) -> int:
+        return self.state_bytes_per_layer * self.linear_layers
+
+
+def cache_sizes(config: PreTrainedConfig | None = None, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> Glm5Sizes:
     """Defaults: GLM-5.3-Flash (transformers' Glm5NextTextConfig defaults) in bfloat16, float32 states."""
     if config is None:
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -67,7 +89,7 @@ def cache_sizes(config: PreTrainedConfig | None = None, dtype_bytes: int = 2, st
     heads, head_dim = config.linear_num_heads, config.linear_head_dim
     recurrent = heads * head_dim * head_dim * state_dtype_bytes
     conv = 3 * heads * head_dim * config.linear_conv_kernel_dim * dtype_bytes
-    return CacheSizes(
+    return Glm5Sizes(
         linear_layers=config.layer_types.count("linear_attention"),
         attention_layers=config.layer_types.count("indexed_attention"),
         kv_bytes_per_token_per_layer=(latent + indexer) * dtype_bytes,
@@ -126,13 +148,24 @@ def cost_model(config: PreTrainedConfig) -> CostModel:
     return CostModel(config.model_type, layers, 2 * head, head * WEIGHT_BYTES)
 
 
+def decoder_and_head(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
+    """GLM-5.3-Flash's text decoder and an LM head, which transformers only has inside the multimodal
+    model: the decoder's own initialisation covers the head too (as the multimodal model's does)."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    backbone = Glm5NextTextModel(config)
+    lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    backbone._init_weights(lm_head)
+    return backbone, lm_head
+
+
 ARCHITECTURE = Architecture(
     name="glm5-next",
     model_types=("glm5_next", "glm5_next_text"),
     tiny_config=tiny_config,
     decay_probe=kda_probe,
     cost_model=cost_model,
-    cache_sizes=cache_sizes,
+    decoder_and_head=decoder_and_head,
     # GLM-5.3-Flash's pattern once (3 KDA, then MLA/DSA), shaped for speed: 4 layers and 2
     # hyper-connection streams train 2x faster per token than 8 layers and 4 streams (5,000 vs
     # 2,500 tokens/s here), and one MLA layer after three KDA layers is enough for retrieval, since

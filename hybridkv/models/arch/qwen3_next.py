@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedConfig
 
-from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, CacheSizes, Probe
+from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, Probe
 from hybridkv.models.cost import STATE_BYTES, WEIGHT_BYTES, CostModel, LayerCost, moe
 from hybridkv.models.gates import gdn_gate, submodule
 
@@ -60,19 +60,6 @@ def decay_probe(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
     return mixer.in_proj_ba, probe
 
 
-def cache_sizes(config: PreTrainedConfig, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> CacheSizes:
-    kinds = list(config.layer_types)
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    conv = (2 * hk * dk + hv * dv) * config.linear_conv_kernel_dim * dtype_bytes
-    return CacheSizes(
-        linear_layers=kinds.count("linear_attention"),
-        attention_layers=kinds.count("full_attention"),
-        kv_bytes_per_token_per_layer=2 * config.num_key_value_heads * config.head_dim * dtype_bytes,
-        state_bytes_per_layer=conv + hv * dk * dv * state_dtype_bytes,
-    )
-
-
 def cost_model(config: PreTrainedConfig) -> CostModel:
     d, nq, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
@@ -95,7 +82,8 @@ def cost_model(config: PreTrainedConfig) -> CostModel:
         flops_per_token=2 * gdn_params + 6 * hv * dk * dv,  # q, k, v, z, b, a; the recurrence
         weight_bytes=gdn_params * WEIGHT_BYTES,
         activation_bytes_per_token=activations,
-        state_bytes=cache_sizes(config, WEIGHT_BYTES, STATE_BYTES).state_bytes_per_layer,
+        # float32 delta-rule state and bfloat16 short-conv windows (q, k and v channels)
+        state_bytes=hv * dk * dv * STATE_BYTES + conv_channels * config.linear_conv_kernel_dim * WEIGHT_BYTES,
     )
     attention, gdn = ffn.add_to(attention), ffn.add_to(gdn)
     layers = tuple(attention if kind == "full_attention" else gdn for kind in config.layer_types)
@@ -109,7 +97,6 @@ ARCHITECTURE = Architecture(
     tiny_config=tiny_config,
     decay_probe=decay_probe,
     cost_model=cost_model,
-    cache_sizes=cache_sizes,
     # Qwen3-Next's pattern once (3 Gated DeltaNet, then gated attention with partial RoPE), shaped
     # for speed as tiny-glm5-next is (about 8,000 tokens/s here); linear heads: 2 key heads, 4
     # value heads, 32 channels each.
