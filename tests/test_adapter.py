@@ -14,6 +14,7 @@ from hybridkv.models.adapter import (
     exact_kv_for_first_tokens,
     read_kv,
     read_states,
+    write_kv,
 )
 from hybridkv.models.kv import LayerKV, PromptKV
 from tests.conftest import random_tokens
@@ -98,3 +99,27 @@ def test_a_consumed_splice_stores_the_exact_kv(models, name):
         for tensor_name, tensor in layer.items():
             assert torch.equal(held[index].narrow(0, 30)[tensor_name], tensor), (index, tensor_name)
     assert read_states(model.description, cache).keys() == set(model.description.linear_layers)
+
+
+@pytest.mark.parametrize("key", ["zaya", "inkling"])
+def test_a_sliding_window_layer_written_from_a_prefix_equals_a_forward_over_it(models, key):
+    """Sliding layers keep every token's KV for the cached prompt, yet a cache rebuilt from any prefix
+    holds exactly the window a forward over that prefix leaves (the KV the next tokens attend)."""
+    model = models[f"family:{key}"]
+    tokens = random_tokens(40, seed=3, vocab=model.config.vocab_size - 8)
+    whole = model.new_cache()
+    model.forward(tokens, whole, start=0)
+    kv = read_kv(model.description, whole)
+    assert all(len(layer) == 40 for _, layer in kv.items())  # every token, not only the window
+    for length in (5, 23):  # inside and beyond the window of 8
+        forward, written = model.new_cache(), model.new_cache()
+        model.forward(tokens[:length], forward, start=0)
+        write_kv(written, kv.narrow(0, length))
+        for index in model.description.attention_layers:
+            ours, theirs = written.layers[index], forward.layers[index]
+            if theirs.is_sliding:
+                assert theirs.keys.shape[-2] == min(length, theirs.sliding_window - 1)
+            # the same tokens' KV from a 40-token and a shorter forward: float32 reassociation only
+            torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=1e-5)
+            assert ours.get_mask_sizes(1) == theirs.get_mask_sizes(1)

@@ -24,6 +24,9 @@ FAMILY_ARCHITECTURES = {
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2",
     "lfm2_vl": "lfm2",
+    "zaya": "zaya",
+    "inkling": "inkling",
+    "inkling-vl": "inkling",
 }
 BUILT_IN = [a for a in ARCHITECTURES if a.tiny_config is not None]
 

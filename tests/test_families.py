@@ -29,16 +29,17 @@ SUPPORTED = [
     "lfm2",  # short-conv layers: a conv window and no recurrent state
     "lfm2_moe",
     "lfm2_vl",  # multimodal only: loaded as image-text-to-text, its text decoder kept
+    # parallel hybrids with sliding-window attention (window 8, inside the 40-token match)
+    "zaya",  # convolved q/k (CCA) and a delayed value state in every layer
+    "inkling",  # four short convolutions per layer
+    "inkling-vl",
 ]
 REFUSED = {
     # transformers runs a multi-token forward of these from a zero SSM state, whatever the cache holds
     "jamba": "does not start a multi-token forward from the cached state",
     "zamba": "does not start a multi-token forward from the cached state",
-    # not yet: sliding-window attention keeps only its last tokens' KV
-    "zaya": "sliding-window attention",
-    "inkling": "sliding-window attention",
-    "inkling-vl": "sliding-window attention",
-    "recurrent_gemma": "sliding-window attention",
+    # its recurrent and conv states live on its modules, outside any cache
+    "recurrent_gemma": "keeps state outside its cache layers",
     # not yet: a cache class of its own, state on the cache object
     "minimax": "does not run on a transformers DynamicCache",
     "qwen4_exp": "a cache rebuilt from its attention KV and linear states fails",

@@ -27,6 +27,7 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionCacheLayerMixin,
 )
 
@@ -85,12 +86,44 @@ class SplicingHybridLayer(_Splice, LinearAttentionAndFullAttentionLayer):
     Falcon-H1, Zamba): its KV can be spliced, its states load like a linear layer's."""
 
 
-# transformers' layer class -> ours. Other layers (sliding windows keep only their last tokens)
-# stay as transformers makes them and cannot take exact KV.
+class _KeepsHistory:
+    """Mixin for a sliding-window layer: besides the window transformers keeps (and hands attention),
+    it records every token's KV in `history`.
+
+    A sliding layer resumed at an arbitrary L needs the KV of the window before L, and any L may
+    be the next match, so the cached prompt must hold all of them; `write_kv` of a prefix then
+    leaves the layer exactly as a forward over that prefix would. (transformers' own
+    `activate_past_recording` would also keep the linear half's conv windows whole, which changes
+    what a parallel hybrid's next forward computes.)
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.history: dict[str, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for name, incoming in (("keys", key_states), ("values", value_states)):
+            kept = self.history.get(name)
+            self.history[name] = incoming if kept is None else torch.cat([kept, incoming], dim=-2)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class SplicingSlidingLayer(_Splice, _KeepsHistory, DynamicSlidingWindowLayer):
+    """transformers' `DynamicSlidingWindowLayer`, keeping every token and able to take exact KV."""
+
+
+class SplicingHybridSlidingLayer(_Splice, _KeepsHistory, LinearAttentionAndSlidingWindowAttentionLayer):
+    """A parallel hybrid's sliding-window layer (Zaya, Inkling): attention over a window beside
+    recurrent or short-conv states."""
+
+
+# transformers' layer class -> ours (the exact class: a subclass may mean something else).
 _SPLICING: dict[type, type] = {
     DynamicLayer: SplicingLayer,
     DynamicIndexedLayer: SplicingIndexedLayer,
+    DynamicSlidingWindowLayer: SplicingSlidingLayer,
     LinearAttentionAndFullAttentionLayer: SplicingHybridLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer: SplicingHybridSlidingLayer,
 }
 
 
@@ -98,9 +131,12 @@ def _spliceable(layer: object) -> object:
     cls = _SPLICING.get(type(layer))
     if cls is None:
         return layer
+    kwargs = {}
     if isinstance(layer, LinearAttentionCacheLayerMixin):
-        return cls(number_of_states=layer.number_of_states)
-    return cls()
+        kwargs["number_of_states"] = layer.number_of_states
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        kwargs["sliding_window"] = layer.sliding_window
+    return cls(**kwargs)
 
 
 class HybridCache(DynamicCache):
@@ -119,6 +155,11 @@ def _on(cache: DynamicCache, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` where the cache lives (stored pieces arrive on the CPU)."""
     device = getattr(cache, "device", tensor.device)
     return tensor if tensor.device == device else tensor.to(device)
+
+
+def _token_tensor(layer: object, name: str) -> torch.Tensor:
+    """Every token's `name` tensor a layer has seen (a sliding window's from its history)."""
+    return layer.history[name] if isinstance(layer, _KeepsHistory) else getattr(layer, name)
 
 
 def _token_dims(layer: object) -> dict[str, int]:
@@ -144,9 +185,9 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
         attention = isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
         if not (linear or isinstance(layer, DynamicLayer)):
             raise HybridKVError(f"layer {index}: unsupported cache layer type {type(layer).__name__}")
-        if isinstance(layer, DynamicSlidingWindowLayer):
+        if isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, _KeepsHistory):
             raise HybridKVError(
-                f"layer {index} is sliding-window attention ({type(layer).__name__}): it keeps only its last "
+                f"layer {index} is sliding-window attention ({type(layer).__name__}) that keeps only its last "
                 "tokens' KV, so no token-level prefix of it can be cached and resumed exactly"
             )
         tensors = _state_tensors(layer) if linear else {}
@@ -159,7 +200,7 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
             kind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
         else:
             kind = "none"  # e.g. Nemotron-H's MLP-only blocks
-        per_token = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() for name in dims)
+        per_token = sum(_token_tensor(layer, name).numel() * _token_tensor(layer, name).element_size() for name in dims)
         specs.append(
             LayerSpec(
                 index,
@@ -170,6 +211,7 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
                 state_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                 token_dims=tuple(dims.items()),
                 kv_bytes_per_token=per_token // tokens_seen,
+                window=layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) and dims else None,
             )
         )
     return tuple(specs)
@@ -180,7 +222,7 @@ def read_kv(description: ModelDescription, cache: DynamicCache) -> PromptKV:
     return PromptKV(
         {
             index: LayerKV(
-                {name: getattr(cache.layers[index], name) for name in description.token_tensors(index)},
+                {name: _token_tensor(cache.layers[index], name) for name in description.token_tensors(index)},
                 description.token_tensors(index),
             )
             for index in description.attention_layers

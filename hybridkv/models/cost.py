@@ -178,8 +178,9 @@ def generic_cost_model(config, backbone, description) -> CostModel:
     Per layer: 2 FLOPs per active parameter (routed experts at top-k of E), ~6 per recurrent-state
     entry for the recurrence, and for attention layers the context term of
     `description.attention_flops_per_context_token`; bytes as the hand-written models count them,
-    with the KV and state sizes the description read off the cache. It does not know a family's
-    sparse attention (DSA) or extra mixing, which the family's own cost model adds where it has one.
+    with the KV and state sizes the description read off the cache; sliding-window layers attend
+    their window only. It does not know a family's sparse attention (DSA) or extra mixing, which
+    the family's own cost model adds where it has one.
     """
     n_experts = first_set(config, "n_routed_experts", "num_experts", "num_local_experts", default=0)
     top_k = first_set(config, "num_experts_per_tok", default=1)
@@ -201,6 +202,7 @@ def generic_cost_model(config, backbone, description) -> CostModel:
                 "attention" if spec.token_dims else "linear",
                 flops_per_token=2 * active + 6 * recurrent,
                 flops_per_context_token=per_context if spec.token_dims else 0.0,
+                max_attended=spec.window,
                 weight_bytes=(params - routed) * WEIGHT_BYTES,
                 expert_bytes=routed / n_experts * WEIGHT_BYTES if n_experts and routed else 0.0,
                 experts=n_experts if routed else 0,

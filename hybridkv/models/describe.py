@@ -30,6 +30,9 @@ class LayerSpec:
     # attention layers: (name, token dimension) of each token-indexed tensor
     token_dims: tuple[tuple[str, int], ...] = ()
     kv_bytes_per_token: int = 0  # attention layers: bytes of every token-indexed tensor per token
+    # sliding-window attention: the tokens each query attends (its cached prompt still holds every
+    # token's KV, since a resume at any L needs the window before L); None: all earlier tokens
+    window: int | None = None
 
 
 @dataclass(frozen=True)

@@ -276,17 +276,19 @@ def wrap_modules(
     size with random weights, straight on a GPU): described, checked as `load_model` checks."""
     backbone, lm_head = backbone.to(device).eval(), lm_head.to(device).eval()
     description = describe_modules(name, config, backbone, lm_head)
+    if not description.attention_layers:
+        raise HybridKVError(f"model {name!r} ({config.model_type}) has no attention layers to cache")
+    model = HybridModel(name, config, backbone, lm_head, description)
+    tolerance = RESUME_TOLERANCE[model.dtype == torch.float32]
+    # Checked before the layer kinds: a model whose recurrent state lives outside its cache
+    # (RecurrentGemma keeps it on its modules) shows no linear layers, and that is not the reason.
+    if (reason := why_not_resumable(model, tolerance=tolerance)) is not None:
+        raise HybridKVError(f"model {name!r} ({config.model_type}) cannot be resumed exactly: {reason}")
     if not description.linear_layers:
         raise HybridKVError(
             f"model {name!r} ({config.model_type}) has no linear-attention or state-space layers; "
             "hybridkv is for hybrid models (a plain transformer's prefix cache needs no state recovery)"
         )
-    if not description.attention_layers:
-        raise HybridKVError(f"model {name!r} ({config.model_type}) has no attention layers to cache")
-    model = HybridModel(name, config, backbone, lm_head, description)
-    tolerance = RESUME_TOLERANCE[model.dtype == torch.float32]
-    if (reason := why_not_resumable(model, tolerance=tolerance)) is not None:
-        raise HybridKVError(f"model {name!r} ({config.model_type}) cannot be resumed exactly: {reason}")
     return model
 
 

@@ -16,6 +16,7 @@ from hybridkv.models.arch import (
     falcon_h1,
     glm5_next,
     granitemoehybrid,
+    inkling,
     kimi_linear,
     lfm2,
     nemotron_h,
@@ -23,6 +24,7 @@ from hybridkv.models.arch import (
     qwen3_5,
     qwen3_next,
     zamba2,
+    zaya,
 )
 from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, Probe
 from hybridkv.models.cost import CostModel, generic_cost_model
@@ -33,7 +35,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
     module.ARCHITECTURE
     for module in (
         glm5_next, qwen3_next, kimi_linear, olmo_hybrid, nemotron_h,
-        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2,
+        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2, zaya, inkling,
     )
 )  # fmt: skip
 _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}
