@@ -460,7 +460,10 @@ def _arena(args: argparse.Namespace) -> None:
 
 def _add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (the GPU when there is one, else the CPU)"
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N, or auto: the GPU when there is one, else the CPU; a checkpoint too large for one "
+        "GPU is spread over all of them (the memory arithmetic is printed first)",
     )
     parser.add_argument(
         "--dtype",
@@ -472,10 +475,37 @@ def _add_device_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
+    import torch
+
     from hybridkv.models import load_model
     from hybridkv.models.loader import DTYPES, resolve_device
 
-    return load_model(args.model, seed=args.seed, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
+    dtype = DTYPES[args.dtype]
+    if args.device == "auto" and Path(args.model).is_dir() and torch.cuda.is_available():
+        return load_model(args.model, seed=args.seed, dtype=dtype, device=_placement(args, dtype))
+    return load_model(args.model, seed=args.seed, dtype=dtype, device=resolve_device(args.device))
+
+
+def _placement(args: argparse.Namespace, dtype):
+    """One GPU or several for a checkpoint, from the memory arithmetic, printed before loading."""
+    from transformers import AutoConfig
+
+    from hybridkv.models.placement import checkpoint_parameters, choose_placement, free_gpu_memory, memory_plan
+
+    directory = Path(args.model)
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        raise HybridKVError(f"{directory}: unreadable config ({err})") from err
+    # the longest prompt this command holds: a prefix and its suffix, or an arena prompt and its answer
+    lengths = getattr(args, "prefix_lengths", None) or getattr(args, "lengths", None) or [0]
+    extra = getattr(args, "suffix_length", None) or getattr(args, "max_new_tokens", None) or 256
+    plan = memory_plan(config, checkpoint_parameters(directory), dtype, max(lengths) + extra)
+    placement = choose_placement(plan, free_gpu_memory())
+    for line in [f"memory plan for {directory} ({str(dtype).removeprefix('torch.')}):", *plan.lines()]:
+        print(line, file=sys.stderr)
+    print(f"placement: {placement.reason}", file=sys.stderr)
+    return placement
 
 
 def _quiet_libraries() -> None:

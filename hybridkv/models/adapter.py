@@ -140,20 +140,29 @@ def _spliceable(layer: object) -> object:
 
 
 class HybridCache(DynamicCache):
-    """The model's `DynamicCache` layout with spliceable attention layers, on the model's device."""
+    """The model's `DynamicCache` layout with spliceable attention layers, on the model's device
+    (`layer_devices`: where each layer lives when the model is spread over several GPUs)."""
 
-    def __init__(self, config: PreTrainedConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        device: torch.device | str = "cpu",
+        layer_devices: dict[int, torch.device] | None = None,
+    ) -> None:
         Cache.__init__(self, layers=[_spliceable(layer) for layer in DynamicCache(config=config).layers])
         self.device = torch.device(device)
+        self.layer_devices = layer_devices or {}
 
 
-def new_cache(config: PreTrainedConfig, device: torch.device | str = "cpu") -> HybridCache:
-    return HybridCache(config, device)
+def new_cache(
+    config: PreTrainedConfig, device: torch.device | str = "cpu", layer_devices: dict[int, torch.device] | None = None
+) -> HybridCache:
+    return HybridCache(config, device, layer_devices)
 
 
-def _on(cache: DynamicCache, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` where the cache lives (stored pieces arrive on the CPU)."""
-    device = getattr(cache, "device", tensor.device)
+def _on(cache: DynamicCache, index: int, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` where layer `index` of the cache lives (stored pieces arrive on the CPU)."""
+    device = getattr(cache, "layer_devices", {}).get(index) or getattr(cache, "device", tensor.device)
     return tensor if tensor.device == device else tensor.to(device)
 
 
@@ -236,9 +245,9 @@ def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
         layer = cache.layers[index]
         if layer.get_seq_length():
             raise ValueError(f"layer {index} already holds {layer.get_seq_length()} tokens; write KV to a fresh cache")
-        layer.update(_on(cache, layer_kv["keys"]), _on(cache, layer_kv["values"]))
+        layer.update(_on(cache, index, layer_kv["keys"]), _on(cache, index, layer_kv["values"]))
         if "indexer_keys" in layer_kv.tensors:
-            layer.update_indexer(_on(cache, layer_kv["indexer_keys"]))
+            layer.update_indexer(_on(cache, index, layer_kv["indexer_keys"]))
 
 
 def read_states(description: ModelDescription, cache: DynamicCache) -> LinearStates:
@@ -255,7 +264,7 @@ def write_states(cache: DynamicCache, states: LinearStates) -> None:
         layer = cache.layers[index]
         for name, tensor in state.tensors.items():
             kind, slot = name.split(".")
-            tensor = _on(cache, tensor)
+            tensor = _on(cache, index, tensor)
             if kind == "conv":
                 # On a fresh layer this stores the window as-is (a copy: it is updated in place later).
                 layer.update_conv_state(tensor.clone(), state_idx=int(slot), conv_kernel_size=tensor.shape[-1])

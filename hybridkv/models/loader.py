@@ -28,6 +28,7 @@ from hybridkv.models.adapter import (
 from hybridkv.models.arch import architecture_for
 from hybridkv.models.describe import ModelDescription, attention_flops_per_context_token, count_parameters
 from hybridkv.models.kv import LinearState, LinearStates
+from hybridkv.models.placement import Placement
 from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
 
 # GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`,
@@ -42,9 +43,11 @@ class HybridModel:
     backbone: nn.Module  # input ids -> last hidden state, with a transformers cache
     lm_head: nn.Module
     description: ModelDescription
+    # a model spread over several GPUs: where each decoder layer lives (its cache layer goes there)
+    layer_devices: dict[int, torch.device] | None = None
 
     def new_cache(self) -> DynamicCache:
-        return new_cache(self.config, self.device)
+        return new_cache(self.config, self.device, self.layer_devices)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -173,7 +176,9 @@ def _with_head(directory: Path, label: str) -> tuple[PreTrainedConfig, nn.Module
     return config, backbone, lm_head
 
 
-def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+def _from_directory(
+    path: Path, dtype: torch.dtype, placement: Placement | None = None
+) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HybridKVError(f"{path}: no config.json (expected a transformers checkpoint directory)")
@@ -193,7 +198,10 @@ def _from_directory(path: Path, dtype: torch.dtype) -> tuple[PreTrainedConfig, n
         # and the vision and audio towers are freed with the wrapper.
         multimodal = model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        model = auto.from_pretrained(path, dtype=dtype)
+        spread = {} if placement is None or placement.device_map is None else {
+            "device_map": placement.device_map, "max_memory": placement.max_memory
+        }  # fmt: skip
+        model = auto.from_pretrained(path, dtype=dtype, **spread)
     except HybridKVError:
         raise
     except (OSError, ValueError, KeyError) as err:
@@ -249,12 +257,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model(
-    name_or_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    name_or_dir: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | Placement = "cpu",
 ) -> HybridModel:
     """Load a built-in model by name (trained `tiny-*`, or seeded `random-*`), or a checkpoint directory.
 
-    Weights are cast to `dtype` and moved to `device`; recurrent states keep the dtype the model
-    library gives them (float32 for the delta-rule kernels)."""
+    Weights are cast to `dtype` and moved to `device`, or placed as a `Placement` says (a
+    checkpoint spread over several GPUs); recurrent states keep the dtype the model library gives
+    them (float32 for the delta-rule kernels)."""
+    placement = device if isinstance(device, Placement) else Placement(torch.device(device))
+    if placement.device_map is not None and not Path(name_or_dir).is_dir():
+        raise HybridKVError(f"{name_or_dir}: only a checkpoint directory can be spread over several GPUs")
     if name_or_dir in TRAINED_MODELS:
         config, backbone, lm_head = _with_head(TRAINED_MODELS[name_or_dir], name_or_dir)
         backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)
@@ -262,23 +277,34 @@ def load_model(
         config, backbone, lm_head = _seeded_tiny(name_or_dir, seed)
         backbone, lm_head = backbone.to(dtype), lm_head.to(dtype)
     elif Path(name_or_dir).is_dir():
-        config, backbone, lm_head = _from_directory(Path(name_or_dir), dtype)
+        config, backbone, lm_head = _from_directory(Path(name_or_dir), dtype, placement)
     else:
         known = ", ".join(BUILTIN_MODELS)
         raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {known}")
-    return wrap_modules(name_or_dir, config, backbone, lm_head, device)
+    return wrap_modules(name_or_dir, config, backbone, lm_head, placement)
 
 
 def wrap_modules(
-    name: str, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module, device: torch.device | str = "cpu"
+    name: str,
+    config: PreTrainedConfig,
+    backbone: nn.Module,
+    lm_head: nn.Module,
+    device: torch.device | str | Placement = "cpu",
 ) -> HybridModel:
     """A `HybridModel` from a transformers decoder and LM head already built (e.g. at a real model's
-    size with random weights, straight on a GPU): described, checked as `load_model` checks."""
-    backbone, lm_head = backbone.to(device).eval(), lm_head.to(device).eval()
+    size with random weights, straight on a GPU): described, checked as `load_model` checks.
+    Modules already spread by a `Placement` stay where they are."""
+    placement = device if isinstance(device, Placement) else Placement(torch.device(device))
+    layer_devices = None
+    if placement.device_map is None:
+        backbone, lm_head = backbone.to(placement.device), lm_head.to(placement.device)
+    else:
+        layer_devices = {i: next(layer.parameters()).device for i, layer in enumerate(backbone.layers)}
+    backbone, lm_head = backbone.eval(), lm_head.eval()
     description = describe_modules(name, config, backbone, lm_head)
     if not description.attention_layers:
         raise HybridKVError(f"model {name!r} ({config.model_type}) has no attention layers to cache")
-    model = HybridModel(name, config, backbone, lm_head, description)
+    model = HybridModel(name, config, backbone, lm_head, description, layer_devices)
     tolerance = RESUME_TOLERANCE[model.dtype == torch.float32]
     # Checked before the layer kinds: a model whose recurrent state lives outside its cache
     # (RecurrentGemma keeps it on its modules) shows no linear layers, and that is not the reason.
