@@ -25,9 +25,11 @@ from tests.conftest import random_tokens
 NAMES = list(RANDOM_MODELS)
 # Users' checkpoints of the families with a gate probe (tests/families.py). The random Mamba-2
 # families forget within a chunk (bounds of e^-80 and below), so their probes are checked token by
-# token instead (test_mamba2_probes_give_the_exact_decay_token_by_token).
+# token instead (test_exact_decay_probes_match_the_state_error_token_by_token).
 MAMBA2_FAMILIES = ["family:granitemoehybrid", "family:bamba", "family:falcon_h1", "family:zamba2"]
-PROBED = [*NAMES, "family:qwen3_5"]
+# Lightning attention (MiniMax) decays each head's state by a fixed exp(−slope) per token.
+LIGHTNING_FAMILIES = ["family:minimax"]
+PROBED = [*NAMES, "family:qwen3_5", *LIGHTNING_FAMILIES]
 START, END = 2 * DECAY_CHUNK, 6 * DECAY_CHUNK  # a replay window on chunk boundaries
 
 
@@ -97,10 +99,11 @@ def test_adaptive_tail_is_the_shortest_under_the_tolerance(captured, name):
         assert matched - capped.state_position == min(tail, DECAY_CHUNK)
 
 
-@pytest.mark.parametrize("name", ["random-nemotron-h", *MAMBA2_FAMILIES])
-def test_mamba2_probes_give_the_exact_decay_token_by_token(models, name):
+@pytest.mark.parametrize("name", ["random-nemotron-h", *MAMBA2_FAMILIES, *LIGHTNING_FAMILIES])
+def test_exact_decay_probes_match_the_state_error_token_by_token(models, name):
     """Mamba-2's state difference after t tokens is exactly Π exp(Δ·A) of the starting difference,
-    per head: the probe (Falcon-H1's µP multipliers included) must read that Δ."""
+    per head: the probe (Falcon-H1's µP multipliers included) must read that Δ. Lightning
+    attention's is exactly exp(−t·slope): the probe must read the layer's slope rates."""
     model = models[name]
     tokens = random_tokens(40, seed=3, vocab=model.config.vocab_size)
     first = model.description.linear_layers[0]

@@ -33,6 +33,7 @@ SUPPORTED = [
     "zaya",  # convolved q/k (CCA) and a delayed value state in every layer
     "inkling",  # four short convolutions per layer
     "inkling-vl",
+    "minimax",  # lightning attention: its own cache class (MiniMaxCache), states in our cache layers
 ]
 REFUSED = {
     # transformers runs a multi-token forward of these from a zero SSM state, whatever the cache holds
@@ -40,8 +41,6 @@ REFUSED = {
     "zamba": "does not start a multi-token forward from the cached state",
     # its recurrent and conv states live on its modules, outside any cache
     "recurrent_gemma": "keeps state outside its cache layers",
-    # not yet: a cache class of its own, state on the cache object
-    "minimax": "does not run on a transformers DynamicCache",
     "qwen4_exp": "a cache rebuilt from its attention KV and linear states fails",
     "qwen4_exp-vl": "a cache rebuilt from its attention KV and linear states fails",
 }

@@ -4,7 +4,9 @@ Everything else hands this module typed containers (`hybridkv.models.kv`) and ge
 
 - `new_cache(config)`: the model's own `DynamicCache` layout, built through transformers'
   `Cache(layers=…)` extension point with our `Splicing*` layer classes in place of the
-  attention layers (they behave exactly like transformers' until told otherwise);
+  attention layers (they behave exactly like transformers' until told otherwise); for a model
+  that insists on a cache class of its own (MiniMax), an instance of that class too, whose
+  linear states live in the cache layers (`_LinearCacheOnLayers`);
 - `describe_layers`: what each cache layer holds, read off a cache after a probe forward;
 - `read_kv` / `write_kv`, `read_states` / `write_states`, `zero_states`;
 - `exact_kv_for_first_tokens`: for one forward, each attention layer stores (and attends) given
@@ -16,6 +18,7 @@ Everything else hands this module typed containers (`hybridkv.models.kv`) and ge
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,6 +35,7 @@ from transformers.cache_utils import (
 )
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.arch import architecture_for
 from hybridkv.models.describe import LayerSpec, ModelDescription
 from hybridkv.models.kv import LayerKV, LinearState, LinearStates, PromptKV
 
@@ -154,10 +158,57 @@ class HybridCache(DynamicCache):
         self.layer_devices = layer_devices or {}
 
 
+class _LinearCacheOnLayers:
+    """Mixin for a model's own cache class that keeps one state per linear layer on the cache object,
+    through `get_linear_cache` / `set_linear_cache` (MiniMax's `MiniMaxCache`).
+
+    Here that state is the layer's recurrent slot 0 in the ordinary linear cache layer, so
+    `describe_layers`, `read_states` and `write_states` handle it as they do every family's, and a
+    state written there is what the next forward continues from.
+    """
+
+    layers: list
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """The state the layer continues from, or None: the forward starts a new sequence.
+
+        A zero state (what a replay from the first token is seeded with) counts as none. Given a
+        state, MiniMax runs its recurrence token by token; given none, its chunked kernel from
+        zero: the same numbers (to float reassociation), ~3x faster on 2K tokens on the CPU, so
+        a replay from the start costs what a fresh prefill does.
+        """
+        layer = self.layers[layer_idx]
+        if not layer.has_previous_state[0] or not layer.recurrent_states[0].any():
+            return None
+        return layer.recurrent_states[0]
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        layer = self.layers[layer_idx]
+        layer.update_recurrent_state(linear_cache, state_idx=0)
+        layer.has_previous_state[0] = True
+
+    def __len__(self) -> int:
+        # MiniMaxCache counts its side list of states too; here every layer is in `layers`.
+        return len(self.layers)
+
+
+@functools.cache
+def _hybrid_cache_class(model_cache: type[DynamicCache]) -> type[HybridCache]:
+    """`HybridCache` that is also an instance of `model_cache` (which the model checks for), with
+    that class's linear-state accessors backed by the cache layers. Its `__init__` is not run:
+    the layers come from `HybridCache`, and the state list it would create is never used."""
+    return type(f"Hybrid{model_cache.__name__}", (_LinearCacheOnLayers, HybridCache, model_cache), {})
+
+
 def new_cache(
     config: PreTrainedConfig, device: torch.device | str = "cpu", layer_devices: dict[int, torch.device] | None = None
 ) -> HybridCache:
-    return HybridCache(config, device, layer_devices)
+    """A fresh cache for `config`'s model: `HybridCache`, or the subclass that is also the cache
+    class the model's architecture says it requires."""
+    arch = architecture_for(config)
+    if arch is None or arch.cache_class is None:
+        return HybridCache(config, device, layer_devices)
+    return _hybrid_cache_class(arch.cache_class())(config, device, layer_devices)
 
 
 def _on(cache: DynamicCache, index: int, tensor: torch.Tensor) -> torch.Tensor:

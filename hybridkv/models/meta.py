@@ -68,4 +68,10 @@ def describe_config(
     except (HybridKVError, RuntimeError, ValueError, TypeError, NotImplementedError, IndexError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise HybridKVError(f"cannot describe a {text.model_type} model from its config alone ({first})") from err
+    if not description.linear_layers:
+        # RecurrentGemma keeps its states on its modules: a cache shows none, and sizes would lie
+        raise HybridKVError(
+            f"cannot describe a {text.model_type} model from its config alone (its cache shows no linear-attention "
+            "or state-space layers)"
+        )
     return backbone, replace(description, layers=tuple(_in_dtype(spec, dtype) for spec in description.layers))

@@ -19,6 +19,7 @@ from hybridkv.models.arch import (
     inkling,
     kimi_linear,
     lfm2,
+    minimax,
     nemotron_h,
     olmo_hybrid,
     qwen3_5,
@@ -35,7 +36,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
     module.ARCHITECTURE
     for module in (
         glm5_next, qwen3_next, kimi_linear, olmo_hybrid, nemotron_h,
-        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2, zaya, inkling,
+        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2, zaya, inkling, minimax,
     )
 )  # fmt: skip
 _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}

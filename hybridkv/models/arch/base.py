@@ -4,9 +4,9 @@ A family is one module in this package that builds one `Architecture`; the regis
 (`hybridkv.models.arch`) is the only place the rest of hybridkv asks. Everything a family
 brings is optional except its transformers model types: a tiny config (a random-<name>
 built-in), the decay probe (for adaptive-replay), a cost model of its own (for `hybridkv plan`
-and the speed bounds; every family has the generic one), a trained shape (for `hybridkv train`)
-and a vLLM-servable variant. Cache sizes need nothing: they are read off the library's modules
-on the meta device (`hybridkv.models.meta`).
+and the speed bounds; every family has the generic one), a trained shape (for `hybridkv train`),
+a vLLM-servable variant and the cache class the model requires. Cache sizes need nothing: they
+are read off the library's modules on the meta device (`hybridkv.models.meta`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class Architecture:
     trained_shape: dict = field(default_factory=dict)
     # A variant of `tiny_config` that vLLM's CPU build can serve, or None.
     servable_config: Callable[[], PreTrainedConfig] | None = None
+    # The transformers cache class the model insists on (MiniMax refuses any cache that is not a
+    # `MiniMaxCache`), imported when first asked; None: a plain `DynamicCache` layout will do.
+    # The adapter builds its hybridkv cache as an instance of it (`hybridkv.models.adapter`).
+    cache_class: Callable[[], type] | None = None
 
     @property
     def random_name(self) -> str:
