@@ -167,7 +167,7 @@ def test_config_without_weights_raises_hybridkv_error(tmp_path):
 
 def test_bare_glm5_text_checkpoint_is_refused(tmp_path):
     RANDOM_MODELS["random-glm5-next"]().save_pretrained(tmp_path)
-    with pytest.raises(HybridKVError, match="glm5_next_text checkpoint needs model.safetensors"):
+    with pytest.raises(HybridKVError, match="bare text-decoder checkpoint needs model.safetensors"):
         load_model(str(tmp_path))
 
 

@@ -31,10 +31,6 @@ from hybridkv.models.kv import LinearState, LinearStates
 from hybridkv.models.placement import Placement
 from hybridkv.models.tiny import BUILTIN_MODELS, RANDOM_MODELS, TRAINED_MODELS
 
-# GLM-5.3-Flash ships as a multimodal checkpoint; its text part is a plain `Glm5NextTextModel`,
-# which transformers has no causal-LM class for: hybridkv saves it with its head (`write_with_head`).
-GLM5_TEXT = "glm5_next_text"
-
 
 @dataclass
 class HybridModel:
@@ -106,11 +102,7 @@ class HybridModel:
 def model_from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
     """The library's model for `config`, initialised by the library under the current torch seed."""
     arch = architecture_for(config)
-    if (
-        arch is not None
-        and arch.decoder_and_head is not None
-        and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    ):
+    if arch is not None and arch.decoder_and_head is not None:
         return arch.decoder_and_head(config)
     model = AutoModelForCausalLM.from_config(config)
     return model.get_decoder(), model.get_output_embeddings()
@@ -149,8 +141,8 @@ def read_with_head(directory: Path, backbone: nn.Module, lm_head: nn.Module, lab
     weights = directory / "model.safetensors"
     if not weights.is_file():
         raise HybridKVError(
-            f"{label}: a glm5_next_text checkpoint needs model.safetensors with model.* and lm_head.* tensors "
-            "(the layout `hybridkv train` writes), or save the multimodal Glm5NextForConditionalGeneration layout"
+            f"{label}: a bare text-decoder checkpoint needs model.safetensors with model.* and lm_head.* tensors "
+            "(the layout `hybridkv train` writes), or save the model's multimodal layout"
         )
     try:
         tensors = load_file(weights)
@@ -190,9 +182,12 @@ def _from_directory(
         raise HybridKVError(f"{config_file}: not a transformers config (expected a JSON object)")
     model_type = config_json.get("model_type")
     try:
-        if model_type == GLM5_TEXT:
+        config = AutoConfig.from_pretrained(path)  # fails early and clearly on an unknown model_type
+        arch = architecture_for(config)
+        if arch is not None and arch.decoder_and_head is not None and model_type == config.get_text_config().model_type:
+            # a text decoder transformers has no causal-LM class for (GLM-5.3-Flash's, which ships
+            # inside a multimodal checkpoint): hybridkv's own layout, with its head beside it
             return _with_head(path, str(path))
-        AutoConfig.from_pretrained(path)  # fails early and clearly on an unknown model_type
         # Multimodal checkpoints (GLM-5.3-Flash, LFM2-VL, ...) load as image-text-to-text models
         # when transformers has no causal-LM class for them; hybridkv runs their text decoder only,
         # and the vision and audio towers are freed with the wrapper.
