@@ -19,7 +19,8 @@ from hybridkv.models.adapter import (
 from hybridkv.models.kv import LayerKV, PromptKV
 from tests.conftest import random_tokens
 
-NAMES = ["random-glm5-next", "random-qwen3-next", "random-nemotron-h"]
+# Qwen4-Exp: QSA indexer keys, and position ids kept on the cache object
+NAMES = ["random-glm5-next", "random-qwen3-next", "random-nemotron-h", "family:qwen4_exp"]
 
 
 def test_prompt_kv_slices_and_joins_without_the_model():

@@ -28,6 +28,8 @@ FAMILY_ARCHITECTURES = {
     "inkling": "inkling",
     "inkling-vl": "inkling",
     "minimax": "minimax",
+    "qwen4_exp": "qwen4-exp",
+    "qwen4_exp-vl": "qwen4-exp",
 }
 BUILT_IN = [a for a in ARCHITECTURES if a.tiny_config is not None]
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from hybridkv import HybridKVError
-from hybridkv.cache import capture_prompt
+from hybridkv.cache import assemble_cache, capture_prompt
 from hybridkv.cache.prefix_cache import Hit
 from hybridkv.methods.base import Recipe, execute
+from hybridkv.methods.batch import execute_batch
 from hybridkv.models import load_model
 from tests.families import FAMILIES, save_random_checkpoint
 
@@ -34,6 +35,8 @@ SUPPORTED = [
     "inkling",  # four short convolutions per layer
     "inkling-vl",
     "minimax",  # lightning attention: its own cache class (MiniMaxCache), states in our cache layers
+    "qwen4_exp",  # QSA indexer keys and position ids on the cache object, PLE windows of token ids
+    "qwen4_exp-vl",
 ]
 REFUSED = {
     # transformers runs a multi-token forward of these from a zero SSM state, whatever the cache holds
@@ -41,8 +44,6 @@ REFUSED = {
     "zamba": "does not start a multi-token forward from the cached state",
     # its recurrent and conv states live on its modules, outside any cache
     "recurrent_gemma": "keeps state outside its cache layers",
-    "qwen4_exp": "a cache rebuilt from its attention KV and linear states fails",
-    "qwen4_exp-vl": "a cache rebuilt from its attention KV and linear states fails",
 }
 PROMPT, MATCHED, INTERVAL = 48, 40, 8
 
@@ -78,6 +79,33 @@ def test_supported_family_resumes_exactly(checkpoint, key):
         outcome = execute(model, tokens, hit, recipe)
         torch.testing.assert_close(outcome.logits, full, atol=1e-4, rtol=0, msg=f"{key}: {name}")
         assert outcome.reused_tokens == MATCHED
+
+
+def test_qwen4_exp_resumes_at_any_length_alone_or_batched(checkpoint):
+    """Qwen4-Exp's QSA indexer pools blocks of `indexer_compress_ratio` tokens, its position ids live on
+    the cache object and its n-gram context (a window of token ids) starts as end-of-sequence ids: a
+    prefix of any length resumes exactly, ending inside a block or not, with EOS tokens (which reset the
+    n-grams) in the prompt, alone or batched with left padding."""
+    model = load_model(str(checkpoint("qwen4_exp")))
+    eos = model.config.eos_token_id
+    tokens = torch.randint(3, model.config.vocab_size - 8, (PROMPT,), generator=torch.Generator().manual_seed(2))
+    tokens[[5, 17, 18, 30]] = eos
+    full = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=PROMPT)
+    # zero states, written: every position's logits as from a fresh cache
+    from_zero = model.forward(tokens, assemble_cache(model, None, None), start=0, logits_to_keep=PROMPT)
+    torch.testing.assert_close(from_zero, full, atol=1e-4, rtol=0)
+    cached = capture_prompt(model, tokens[:MATCHED], checkpoint_interval=1)
+    ratio = model.config.indexer_compress_ratio
+    for matched in range(MATCHED - ratio, MATCHED):  # every remainder modulo the compress ratio
+        keep = PROMPT - matched
+        for recipe in (Recipe(matched, 0), Recipe(matched, matched, True), Recipe(matched, matched - 3, True)):
+            outcome = execute(model, tokens, Hit(cached, matched), recipe, logits_to_keep=keep)
+            torch.testing.assert_close(outcome.logits, full[-keep:], atol=1e-4, rtol=0, msg=f"{matched}: {recipe}")
+    # two rows, 2 tokens of left padding before the shorter one's KV
+    prompts, recipes = [tokens, tokens[:-2]], [Recipe(39, 37, True), Recipe(37, 35, True)]
+    outcomes = execute_batch(model, prompts, [Hit(cached, 39), Hit(cached, 37)], recipes)
+    torch.testing.assert_close(outcomes[0].logits, full[-1:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(outcomes[1].logits, full[-3:-2], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

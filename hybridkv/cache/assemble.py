@@ -10,12 +10,16 @@ import torch
 from transformers import DynamicCache
 
 from hybridkv.models import adapter
+from hybridkv.models.arch import architecture_for
 from hybridkv.models.kv import LinearState, LinearStates, PromptKV
 from hybridkv.models.loader import HybridModel
 
 
 def zero_states(model: HybridModel) -> LinearStates:
-    return adapter.zero_states(model.description, model.dtype, model.device)
+    """Every linear layer's state before any token (what a fresh cache would start from)."""
+    arch = architecture_for(model.config)
+    fills = arch.zero_state_fills(model.config) if arch is not None and arch.zero_state_fills else None
+    return adapter.zero_states(model.description, model.dtype, model.device, fills)
 
 
 def assemble_cache(model: HybridModel, kv: PromptKV | None, states: LinearStates | None) -> DynamicCache:

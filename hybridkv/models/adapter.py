@@ -9,6 +9,8 @@ Everything else hands this module typed containers (`hybridkv.models.kv`) and ge
   linear states live in the cache layers (`_LinearCacheOnLayers`);
 - `describe_layers`: what each cache layer holds, read off a cache after a probe forward;
 - `read_kv` / `write_kv`, `read_states` / `write_states`, `zero_states`;
+- token-indexed tensors a model keeps on the cache object rather than its layers (Qwen4-Exp's
+  position ids, `POSITIONS`) travel with the first attention layer's KV;
 - `exact_kv_for_first_tokens`: for one forward, each attention layer stores (and attends) given
   exact KV for the first tokens of each row instead of what it computes — how the exact-KV
   replay runs in a single pass. The splice is a method of the layer class, so it holds however
@@ -19,7 +21,7 @@ Everything else hands this module typed containers (`hybridkv.models.kv`) and ge
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -42,6 +44,12 @@ from hybridkv.models.kv import LayerKV, LinearState, LinearStates, PromptKV
 # Token-indexed tensors an attention cache layer holds, and the dimension that counts tokens.
 ATTENTION_TENSORS: dict[str, int] = {"keys": -2, "values": -2}
 INDEXED_ATTENTION_TENSORS: dict[str, int] = {**ATTENTION_TENSORS, "indexer_keys": 1}
+# Qwen4-Exp keeps the position ids of every token it has seen on the cache object itself
+# (`cache.position_ids`, [3 rope sections, batch, tokens]): its QSA indexer rotates each pooled key
+# block by its first token's position. hybridkv keeps them batch first, [batch, 3, tokens], as one
+# more token-indexed tensor of the first attention layer. A forward computes them from the positions
+# it is given, so a replay's splice never needs them.
+POSITIONS = "positions"
 
 
 class _Splice:
@@ -217,13 +225,23 @@ def _on(cache: DynamicCache, index: int, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-def _token_tensor(layer: object, name: str) -> torch.Tensor:
-    """Every token's `name` tensor a layer has seen (a sliding window's from its history)."""
-    return layer.history[name] if isinstance(layer, _KeepsHistory) else getattr(layer, name)
-
-
 def _token_dims(layer: object) -> dict[str, int]:
     return INDEXED_ATTENTION_TENSORS if isinstance(layer, DynamicIndexedLayer) else ATTENTION_TENSORS
+
+
+def _positions(cache: DynamicCache) -> torch.Tensor | None:
+    """The position ids a model keeps on the cache object (Qwen4-Exp), batch first; None if it keeps none."""
+    positions = getattr(cache, "position_ids", None)
+    return None if positions is None else positions.transpose(0, 1)
+
+
+def _token_tensor(cache: DynamicCache, index: int, name: str) -> torch.Tensor:
+    """Every token's `name` tensor that layer `index` has seen (a sliding window's from its history;
+    the position ids from the cache object)."""
+    if name == POSITIONS:
+        return _positions(cache)
+    layer = cache.layers[index]
+    return layer.history[name] if isinstance(layer, _KeepsHistory) else getattr(layer, name)
 
 
 def _state_tensors(layer: LinearAttentionCacheLayerMixin) -> dict[str, torch.Tensor]:
@@ -240,6 +258,7 @@ def _state_tensors(layer: LinearAttentionCacheLayerMixin) -> dict[str, torch.Ten
 def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, ...]:
     """Classify every layer of a cache that has seen `tokens_seen` tokens of one sequence."""
     specs = []
+    carry_positions = _positions(cache) is not None
     for index, layer in enumerate(cache.layers):
         linear = isinstance(layer, LinearAttentionCacheLayerMixin)
         attention = isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
@@ -252,6 +271,8 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
             )
         tensors = _state_tensors(layer) if linear else {}
         dims = _token_dims(layer) if attention else {}
+        if dims and carry_positions:  # the first attention layer carries the cache object's positions
+            dims, carry_positions = {**dims, POSITIONS: -1}, False
         if tensors and dims:
             kind = "hybrid"
         elif tensors:
@@ -260,7 +281,7 @@ def describe_layers(cache: DynamicCache, tokens_seen: int) -> tuple[LayerSpec, .
             kind = "indexed_attention" if isinstance(layer, DynamicIndexedLayer) else "attention"
         else:
             kind = "none"  # e.g. Nemotron-H's MLP-only blocks
-        per_token = sum(_token_tensor(layer, name).numel() * _token_tensor(layer, name).element_size() for name in dims)
+        per_token = sum(t.numel() * t.element_size() for t in (_token_tensor(cache, index, n) for n in dims))
         specs.append(
             LayerSpec(
                 index,
@@ -282,7 +303,7 @@ def read_kv(description: ModelDescription, cache: DynamicCache) -> PromptKV:
     return PromptKV(
         {
             index: LayerKV(
-                {name: _token_tensor(cache.layers[index], name) for name in description.token_tensors(index)},
+                {name: _token_tensor(cache, index, name) for name in description.token_tensors(index)},
                 description.token_tensors(index),
             )
             for index in description.attention_layers
@@ -299,6 +320,9 @@ def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
         layer.update(_on(cache, index, layer_kv["keys"]), _on(cache, index, layer_kv["values"]))
         if "indexer_keys" in layer_kv.tensors:
             layer.update_indexer(_on(cache, index, layer_kv["indexer_keys"]))
+        if POSITIONS in layer_kv.tensors:
+            # The model only ever replaces this tensor (torch.cat), never writes into it.
+            cache.position_ids = _on(cache, index, layer_kv[POSITIONS]).transpose(0, 1)
 
 
 def read_states(description: ModelDescription, cache: DynamicCache) -> LinearStates:
@@ -325,15 +349,26 @@ def write_states(cache: DynamicCache, states: LinearStates) -> None:
             layer.has_previous_state[int(slot)] = True
 
 
-def zero_states(description: ModelDescription, dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearStates:
-    """Every linear layer's state before any token: conv windows in `dtype`, recurrent states in their own."""
+def zero_states(
+    description: ModelDescription,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    fills: Mapping[str, int] | None = None,
+) -> LinearStates:
+    """Every linear layer's state before any token: conv windows in `dtype`, recurrent states and
+    windows of token ids (Qwen4-Exp's n-gram context) in their own. `fills`: the value a slot starts
+    at where it is not zero, by slot name (Qwen4-Exp's n-gram context starts as end-of-sequence ids)."""
+
+    def state_dtype(name: str, recorded: str) -> torch.dtype:
+        own = getattr(torch, recorded)
+        return dtype if name.startswith("conv") and own.is_floating_point else own
+
+    fills = fills or {}
     return {
         spec.index: LinearState(
             {
-                name: torch.zeros(
-                    shape, dtype=dtype if name.startswith("conv") else getattr(torch, state_dtype), device=device
-                )
-                for name, shape, state_dtype in spec.state_tensors
+                name: torch.full(shape, fills.get(name, 0), dtype=state_dtype(name, recorded), device=device)
+                for name, shape, recorded in spec.state_tensors
             }
         )
         for spec in description.layers
@@ -364,6 +399,7 @@ def exact_kv_for_first_tokens(
         layer.pending = {
             name: (dim, [row[index][name] if row else None for row in rows])
             for name, dim in description.token_tensors(index).items()
+            if name != POSITIONS
         }
         armed.append(layer)
     try:

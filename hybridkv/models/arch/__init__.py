@@ -24,6 +24,7 @@ from hybridkv.models.arch import (
     olmo_hybrid,
     qwen3_5,
     qwen3_next,
+    qwen4_exp,
     zamba2,
     zaya,
 )
@@ -36,7 +37,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
     module.ARCHITECTURE
     for module in (
         glm5_next, qwen3_next, kimi_linear, olmo_hybrid, nemotron_h,
-        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2, zaya, inkling, minimax,
+        qwen3_5, granitemoehybrid, bamba, falcon_h1, zamba2, lfm2, zaya, inkling, minimax, qwen4_exp,
     )
 )  # fmt: skip
 _BY_MODEL_TYPE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}

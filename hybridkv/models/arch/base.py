@@ -5,8 +5,9 @@ A family is one module in this package that builds one `Architecture`; the regis
 brings is optional except its transformers model types: a tiny config (a random-<name>
 built-in), the decay probe (for adaptive-replay), a cost model of its own (for `hybridkv plan`
 and the speed bounds; every family has the generic one), a trained shape (for `hybridkv train`),
-a vLLM-servable variant and the cache class the model requires. Cache sizes need nothing: they
-are read off the library's modules on the meta device (`hybridkv.models.meta`).
+a vLLM-servable variant, the cache class the model requires, and the start values of state slots
+that do not start at zero. Cache sizes need nothing: they are read off the library's modules on
+the meta device (`hybridkv.models.meta`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Architecture:
     # `MiniMaxCache`), imported when first asked; None: a plain `DynamicCache` layout will do.
     # The adapter builds its hybridkv cache as an instance of it (`hybridkv.models.adapter`).
     cache_class: Callable[[], type] | None = None
+    # Linear-state slots whose state before any token is not zero: config -> {slot name: value}
+    # (Qwen4-Exp's n-gram context holds token ids and starts as end-of-sequence ids).
+    zero_state_fills: Callable[[PreTrainedConfig], dict[str, int]] | None = None
 
     @property
     def random_name(self) -> str:
