@@ -63,9 +63,7 @@ def test_composed_chunks_equal_the_first_linear_layer_over_their_concatenation(m
         write_states(cache, states)
         model.forward(chunk.tokens[:SEAM], cache, start=position)
         at_seam = read_states(model.description, cache)
-        composed = {
-            slot: compose([state_map], at_seam[layer][slot]) for slot, state_map in chunk.maps[layer].items()
-        }
+        composed = {slot: compose([state_map], at_seam[layer][slot]) for slot, state_map in chunk.maps[layer].items()}
         # the next chunk continues from the composed recurrent state and this chunk's own conv tail
         states = {**chunk.end_states, layer: LinearState({**chunk.end_states[layer].tensors, **composed})}
         kv, position = PromptKV.cat([kv, chunk.kv]), position + len(chunk)
