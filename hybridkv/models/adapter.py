@@ -311,18 +311,21 @@ def read_kv(description: ModelDescription, cache: DynamicCache) -> PromptKV:
     )
 
 
-def write_kv(cache: DynamicCache, kv: PromptKV) -> None:
-    """Make every attention layer of a fresh `cache` hold exactly `kv`."""
+def write_kv(cache: DynamicCache, kv: PromptKV, append: bool = False) -> None:
+    """Make every attention layer of a fresh `cache` hold exactly `kv`; with `append`, add `kv`
+    after what the layers hold (the next tokens of a prompt assembled from pieces)."""
     for index, layer_kv in kv.items():
         layer = cache.layers[index]
-        if layer.get_seq_length():
+        if layer.get_seq_length() and not append:
             raise ValueError(f"layer {index} already holds {layer.get_seq_length()} tokens; write KV to a fresh cache")
         layer.update(_on(cache, index, layer_kv["keys"]), _on(cache, index, layer_kv["values"]))
         if "indexer_keys" in layer_kv.tensors:
             layer.update_indexer(_on(cache, index, layer_kv["indexer_keys"]))
         if POSITIONS in layer_kv.tensors:
             # The model only ever replaces this tensor (torch.cat), never writes into it.
-            cache.position_ids = _on(cache, index, layer_kv[POSITIONS]).transpose(0, 1)
+            positions = _on(cache, index, layer_kv[POSITIONS]).transpose(0, 1)
+            held = getattr(cache, "position_ids", None)
+            cache.position_ids = positions if held is None or not append else torch.cat([held, positions], dim=-1)
 
 
 def read_states(description: ModelDescription, cache: DynamicCache) -> LinearStates:

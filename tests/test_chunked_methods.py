@@ -1,0 +1,101 @@
+"""Position-independent pairs (attention policy × linear policy) and their one executor.
+
+Invariants on every built-in family: with one chunk and nothing to repair, every pair that
+uses the chunk's linear state equals full prefill; recomputing every token is full prefill
+whatever the linear policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hybridkv import HybridKVError
+from hybridkv.cache.chunks import encode_chunk
+from hybridkv.methods.chunked import ATTENTION, LINEAR, PAIRS, execute_chunks, parse_pair
+from hybridkv.methods.chunked.base import runs
+from hybridkv.methods.chunked.linearkv import most_relevant
+from tests.conftest import random_tokens
+
+NAMES = ["random-glm5-next", "random-qwen3-next", "random-kimi-linear", "random-olmo-hybrid", "random-nemotron-h"]
+STATEFUL = [name for name in LINEAR if name != "zero"]  # zero drops the chunk's state by design
+
+
+@dataclass(frozen=True)
+class RecomputeAll:
+    name: str = "recompute-all"
+
+    def recompute(self, model, chunks, question):
+        return [list(range(len(chunk))) for chunk in chunks]
+
+
+def full_prefill(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_chunk_with_nothing_to_repair_is_full_prefill(models, name):
+    model = models[name]
+    vocab = model.config.vocab_size
+    chunk_tokens, question = random_tokens(40, seed=1, vocab=vocab), random_tokens(6, seed=2, vocab=vocab)
+    full = full_prefill(model, torch.cat([chunk_tokens, question]))
+    chunk = encode_chunk(model, chunk_tokens)
+    for attention in ATTENTION.values():
+        for linear in STATEFUL:
+            outcome = execute_chunks(model, [chunk], question, attention, LINEAR[linear])
+            torch.testing.assert_close(outcome.logits, full, atol=1e-4, rtol=0, msg=f"{attention.name}+{linear}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recomputing_every_token_is_full_prefill_whatever_the_linear_policy(models, name):
+    model = models[name]
+    vocab = model.config.vocab_size
+    parts = [random_tokens(n, seed=n, vocab=vocab) for n in (21, 34, 17)]
+    question = random_tokens(5, seed=3, vocab=vocab)
+    full = full_prefill(model, torch.cat([*parts, question]))
+    chunks = [encode_chunk(model, part, seam=4) for part in parts]
+    for linear in LINEAR.values():
+        outcome = execute_chunks(model, chunks, question, RecomputeAll(), linear)
+        torch.testing.assert_close(outcome.logits, full, atol=1e-4, rtol=0, msg=linear.name)
+        assert outcome.reused_tokens == 0 and outcome.recomputed_tokens == 21 + 34 + 17 + 5
+
+
+def test_pairs_differ_where_they_should(models):
+    """Several chunks: the stored pieces are not the prompt's, so only recomputation is exact, and
+    the policies give different answers (the pairs are really different methods)."""
+    model = models["random-qwen3-next"]
+    vocab = model.config.vocab_size
+    parts = [random_tokens(n, seed=40 + n, vocab=vocab) for n in (30, 40, 36)]
+    question = parts[0][5:11]  # quotes the first chunk: linearkv-relevant takes its state, linearkv the last's
+    full = full_prefill(model, torch.cat([*parts, question]))
+    chunks = [encode_chunk(model, part) for part in parts]
+    assert most_relevant(chunks, question) == 0
+    logits = {pair: execute_chunks(model, chunks, question, *parse_pair(pair)).logits for pair in PAIRS}
+    assert all((value - full).abs().max() > 1e-3 for value in logits.values())
+    assert len({round(float((value - full).abs().max()), 6) for value in logits.values()}) == len(PAIRS)
+    outcome = execute_chunks(model, chunks, question, *parse_pair("epic+compose"))
+    # epic recomputes 32 tokens of each later chunk (covering compose's 8-token seams); compose alone
+    # recomputes the seams of all three
+    assert outcome.recomputed_tokens == 8 + 32 + 32 + 6 and outcome.reused_tokens == 106 - 72
+    assert execute_chunks(model, chunks, question, *parse_pair("naive+compose")).recomputed_tokens == 3 * 8 + 6
+
+
+def test_runs_and_relevance():
+    assert runs([5, 1, 2, 3, 9, 10, 3]) == [(1, 4), (5, 6), (9, 11)] and runs([]) == []
+
+    class Chunk:
+        def __init__(self, ids):
+            self.tokens = torch.tensor(ids)
+
+    chunks = [Chunk([1, 2, 3, 4, 5]), Chunk([9, 8, 7, 6, 5, 4]), Chunk([1, 2, 3, 4, 5])]
+    assert most_relevant(chunks, torch.tensor([7, 6, 5, 4])) == 1
+    assert most_relevant(chunks, torch.tensor([1, 2, 3, 4])) == 2  # a tie goes to the later chunk
+
+
+def test_unknown_pairs_are_refused_in_one_line():
+    for bad in ("epic", "epic+", "bogus+zero", "naive+bogus"):
+        with pytest.raises(HybridKVError, match="ATTENTION\\+LINEAR") as refusal:
+            parse_pair(bad)
+        assert "\n" not in str(refusal.value)
