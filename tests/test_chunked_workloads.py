@@ -145,3 +145,30 @@ def test_prefix_methods_reuse_only_the_first_chunk_and_replaying_it_all_equals_f
     ):
         assert replay_prompt == prompt
         assert_greedy_agrees(model, prompt, got, want)
+
+
+def test_pairs_run_in_the_arena_with_their_costs(models, tmp_path):
+    """`ATTENTION+LINEAR` pairs through the runner: every chunk's stored KV counted, the recomputed
+    tokens and the state bytes each linear policy keeps (none for zero, end states for linearkv,
+    also the composition maps for compose)."""
+    model, tokenizer = models["random-nemotron-h"], ByteTokenizer()
+    (sample,) = rag.generate("rag", 2048, 1, tokenizer)
+    pairs = ["naive+zero", "naive+linearkv", "epic+compose"]
+    plan = ArenaPlan("rag", pairs)
+    rows = read_rows(
+        run_arena(model, tokenizer, [sample], plan, ArenaConfig(max_new_tokens=2), tmp_path, rag.score, False)
+    )
+    by_method = {r["method"]: r for r in rows}
+    assert set(by_method) == set(pairs)
+    context = by_method["naive+zero"]["context_tokens"]
+    question = by_method["naive+zero"]["question_tokens"]
+    chunks = [len(tokenizer.encode(chunk)) for chunk in sample.chunks]
+    for row in rows:
+        assert row["reused_tokens"] + row["recomputed_tokens"] == context + question
+        assert row["kv_bytes"] == model.description.kv_bytes_per_token * context
+        assert row["build_s"] > 0
+    assert by_method["naive+zero"]["recomputed_tokens"] == question and by_method["naive+zero"]["state_bytes"] == 0
+    assert by_method["naive+linearkv"]["state_bytes"] == model.description.state_bytes * len(chunks)
+    # epic recomputes 32 tokens of every chunk after the first, compose the 8-token seam of the first too
+    assert by_method["epic+compose"]["recomputed_tokens"] == question + 8 + 32 * (len(chunks) - 1)
+    assert by_method["epic+compose"]["state_bytes"] > by_method["naive+linearkv"]["state_bytes"]

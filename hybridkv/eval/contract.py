@@ -26,10 +26,12 @@ from typing import Any, Protocol
 import torch
 
 from hybridkv.cache import CachedPrompt, Hit, capture_prompt
+from hybridkv.cache.chunks import EncodedChunk, encode_chunk
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute
+from hybridkv.methods.chunked import PAIRS, execute_chunks, parse_pair
 from hybridkv.models import HybridModel
 
 ENTRY_POINT_GROUP = "hybridkv.methods"
@@ -191,14 +193,61 @@ class NoContext:
         )
 
 
+class ChunkedArenaMethod:
+    """A position-independent pair (`ATTENTION+LINEAR`): every source is encoded on its own, from
+    zero states, wherever it will sit (its build cost is reported apart), and the question is
+    answered over the chunks in order by `execute_chunks`."""
+
+    budget = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.attention, self.linear = parse_pair(name)
+
+    def setup(self, model: HybridModel, config: ArenaConfig) -> None:
+        self.model = model
+
+    def build_cache(self, source: list[int]) -> Built:
+        started = time.perf_counter()
+        chunk = encode_chunk(self.model, torch.tensor(source, dtype=torch.long), with_maps=self.linear.needs_maps)
+        return Built(chunk, time.perf_counter() - started)
+
+    def answer(self, question: list[int], caches: list[EncodedChunk], config: ArenaConfig) -> Answer:
+        start = time.perf_counter()
+        outcome = execute_chunks(
+            self.model, caches, torch.tensor(question, dtype=torch.long), self.attention, self.linear
+        )
+        ttft = time.perf_counter() - start
+        length = sum(len(chunk) for chunk in caches) + len(question)
+        tokens = greedy_continue(
+            self.model, outcome.cache, outcome.logits[-1], length, config.max_new_tokens, self.model.eos_ids
+        )
+        parts = [chunk.nbytes() for chunk in caches]
+        state_parts = (
+            ("end_states", "conv_tails", "operators") if self.linear.needs_maps else ("end_states", "conv_tails")
+        )
+        return Answer(
+            text="",
+            tokens=tokens,
+            ttft_s=ttft,
+            reused_tokens=outcome.reused_tokens,
+            recomputed_tokens=outcome.recomputed_tokens,
+            recomputed_layer_tokens=outcome.recomputed_tokens * self.model.description.num_layers,
+            kv_bytes=sum(part["attention_kv"] for part in parts),
+            state_bytes=0 if self.linear.name == "zero" else sum(part[k] for part in parts for k in state_parts),
+        )
+
+
 def available_methods() -> list[str]:
-    return ["no-context", *METHODS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))]
+    return ["no-context", *METHODS, *PAIRS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))]
 
 
 def get_arena_method(name: str, budget: Budget | None) -> ArenaMethod:
     """A built-in method, the no-context floor, or one registered under the entry point group."""
     if name == "no-context":
         return NoContext()
+    if "+" in name:
+        return ChunkedArenaMethod(name)
     if name in METHODS:
         recovery = METHODS[name]
         if recovery.uses_budget and budget is None:
