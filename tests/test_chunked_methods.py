@@ -26,6 +26,7 @@ STATEFUL = [name for name in LINEAR if name != "zero"]  # zero drops the chunk's
 @dataclass(frozen=True)
 class RecomputeAll:
     name: str = "recompute-all"
+    corrects_positions: bool = False
 
     def recompute(self, model, chunks, question):
         return [list(range(len(chunk))) for chunk in chunks]

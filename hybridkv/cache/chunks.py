@@ -57,6 +57,7 @@ class StateMap:
 class EncodedChunk:
     tokens: torch.Tensor  # 1-D int64, the chunk alone (no header)
     kv: PromptKV  # its attention KV as encoded (after the header, if any)
+    start: int  # the position its first token was encoded at (the header's length)
     end_states: LinearStates  # every linear layer's state at the chunk's end, from a zero start
     seam: int  # where the maps start
     maps: dict[int, dict[str, StateMap]]  # linear layer -> recurrent slot -> what [seam, end) does to it
@@ -156,7 +157,7 @@ def encode_chunk(
                 for name in state.tensors
                 if name.startswith("recurrent")
             }
-    return EncodedChunk(tokens, kv, end_states, seam, maps)
+    return EncodedChunk(tokens, kv, header.numel(), end_states, seam, maps)
 
 
 def compose(maps: list[StateMap], start: torch.Tensor) -> torch.Tensor:

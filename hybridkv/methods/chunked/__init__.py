@@ -8,9 +8,10 @@ from hybridkv.methods.chunked.compose import Compose
 from hybridkv.methods.chunked.epic import Epic
 from hybridkv.methods.chunked.linearkv import LinearKV
 from hybridkv.methods.chunked.naive import Naive
+from hybridkv.methods.chunked.position_corrected import PositionCorrected
 from hybridkv.methods.chunked.zero import Zero
 
-ATTENTION: dict[str, AttentionPolicy] = {policy.name: policy for policy in (Naive(), Epic())}
+ATTENTION: dict[str, AttentionPolicy] = {policy.name: policy for policy in (Naive(), PositionCorrected(), Epic())}
 LINEAR: dict[str, LinearPolicy] = {
     policy.name: policy for policy in (Zero(), LinearKV(), LinearKV(relevant=True), Compose())
 }

@@ -32,10 +32,12 @@ from hybridkv.cache.chunks import EncodedChunk
 from hybridkv.models import HybridModel
 from hybridkv.models.adapter import read_states, write_kv, write_states
 from hybridkv.models.kv import LinearStates
+from hybridkv.models.rope import shift_kv
 
 
 class AttentionPolicy(Protocol):
     name: str
+    corrects_positions: bool  # stored keys are moved to where their chunk now sits (RoPE re-rotated)
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         """For each chunk, the indices (inside it) of the tokens whose KV is recomputed."""
@@ -89,6 +91,13 @@ def execute_chunks(
 ) -> ChunkOutcome:
     question = question.reshape(-1).to(torch.long)
     picks = attention.recompute(model, chunks, question)
+
+    def stored(chunk: EncodedChunk, at: int, start: int, end: int) -> None:
+        kv = chunk.kv.narrow(start, end)
+        if attention.corrects_positions:
+            kv = shift_kv(model, kv, at - chunk.start)
+        write_kv(cache, kv, append=True)
+
     cache = model.new_cache()
     carried = zero_states(model)
     exact = True  # every chunk so far recomputed whole: the carried states are the prompt's own
@@ -102,7 +111,7 @@ def execute_chunks(
         for start, end in spans:
             recomputed += end - start
             if start > cursor:
-                write_kv(cache, chunk.kv.narrow(cursor, start), append=True)
+                stored(chunk, position, cursor, start)
             if start < seam < end:  # read the states at the seam, where the maps start
                 model.forward(chunk.tokens[start:seam], cache, start=position + start)
                 at_seam = read_states(model.description, cache)
@@ -112,7 +121,7 @@ def execute_chunks(
                 at_seam = read_states(model.description, cache)
             cursor = end
         if cursor < len(chunk):
-            write_kv(cache, chunk.kv.narrow(cursor, len(chunk)), append=True)
+            stored(chunk, position, cursor, len(chunk))
         whole = spans == [(0, len(chunk))]
         carried = read_states(model.description, cache) if whole else linear.after(model, chunk, at_seam)
         exact = exact and whole

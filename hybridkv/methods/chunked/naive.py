@@ -13,6 +13,7 @@ from hybridkv.models import HybridModel
 @dataclass(frozen=True)
 class Naive:
     name: str = "naive"
+    corrects_positions: bool = False
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] for _ in chunks]

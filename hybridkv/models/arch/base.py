@@ -55,6 +55,9 @@ class Architecture:
     # Linear-state slots whose state before any token is not zero: config -> {slot name: value}
     # (Qwen4-Exp's n-gram context holds token ids and starts as end-of-sequence ids).
     zero_state_fills: Callable[[PreTrainedConfig], dict[str, int]] | None = None
+    # How cached keys move to new positions (`hybridkv.models.rope`): `rope_shift(...)` for rotary
+    # attention, `no_shift` for NoPE; None: not known, and position correction is refused.
+    shift_keys: Callable[[nn.Module, torch.Tensor, int], torch.Tensor] | None = None
 
     @property
     def random_name(self) -> str:

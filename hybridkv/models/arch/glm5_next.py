@@ -25,6 +25,7 @@ from transformers import PreTrainedConfig
 from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture
 from hybridkv.models.cost import STATE_BYTES, WEIGHT_BYTES, CostModel, LayerCost, dense_mlp, moe
 from hybridkv.models.gates import kda_probe
+from hybridkv.models.rope import no_shift
 
 
 def tiny_config(**overrides) -> PreTrainedConfig:
@@ -180,4 +181,5 @@ ARCHITECTURE = Architecture(
         index_topk=2048,
         **SPECIAL_TOKENS,
     ),
+    shift_keys=no_shift,  # NoPE MLA; its DSA indexer keys carry no rotary embedding either
 )

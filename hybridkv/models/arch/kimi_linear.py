@@ -6,6 +6,7 @@ from transformers import PreTrainedConfig
 
 from hybridkv.models.arch.base import TINY_VOCAB, Architecture
 from hybridkv.models.gates import kda_probe
+from hybridkv.models.rope import no_shift
 
 
 def tiny_config(**overrides) -> PreTrainedConfig:
@@ -37,5 +38,9 @@ def tiny_config(**overrides) -> PreTrainedConfig:
 
 
 ARCHITECTURE = Architecture(
-    name="kimi-linear", model_types=("kimi_linear",), tiny_config=tiny_config, decay_probe=kda_probe
+    name="kimi-linear",
+    model_types=("kimi_linear",),
+    tiny_config=tiny_config,
+    decay_probe=kda_probe,
+    shift_keys=no_shift,  # NoPE MLA
 )

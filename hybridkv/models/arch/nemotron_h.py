@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 
 from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, Probe
 from hybridkv.models.gates import mamba2_dt, submodule
+from hybridkv.models.rope import no_shift
 
 
 def tiny_config(**overrides) -> PreTrainedConfig:
@@ -66,4 +67,5 @@ ARCHITECTURE = Architecture(
         layers_block_type=["mamba", "mlp", "mamba", "mlp", "mamba", "attention", "mlp"],
         **SPECIAL_TOKENS,
     ),
+    shift_keys=no_shift,  # NoPE attention
 )

@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 
 from hybridkv.models.arch.base import TINY_VOCAB, Architecture, Probe
 from hybridkv.models.gates import gdn_gate, submodule
+from hybridkv.models.rope import rope_shift
 
 
 def tiny_config(**overrides) -> PreTrainedConfig:
@@ -39,5 +40,9 @@ def decay_probe(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
 
 
 ARCHITECTURE = Architecture(
-    name="olmo-hybrid", model_types=("olmo_hybrid",), tiny_config=tiny_config, decay_probe=decay_probe
+    name="olmo-hybrid",
+    model_types=("olmo_hybrid",),
+    tiny_config=tiny_config,
+    decay_probe=decay_probe,
+    shift_keys=rope_shift("transformers.models.olmo_hybrid.modeling_olmo_hybrid"),
 )

@@ -8,6 +8,7 @@ from transformers import PreTrainedConfig
 from hybridkv.models.arch.base import SPECIAL_TOKENS, TINY_VOCAB, Architecture, Probe
 from hybridkv.models.cost import STATE_BYTES, WEIGHT_BYTES, CostModel, LayerCost, moe
 from hybridkv.models.gates import gdn_gate, submodule
+from hybridkv.models.rope import rope_shift
 
 
 def tiny_config(**overrides) -> PreTrainedConfig:
@@ -112,4 +113,5 @@ ARCHITECTURE = Architecture(
         **SPECIAL_TOKENS,
     ),
     servable_config=servable_config,
+    shift_keys=rope_shift("transformers.models.qwen3_next.modeling_qwen3_next"),
 )
