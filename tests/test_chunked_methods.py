@@ -7,6 +7,7 @@ whatever the linear policy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +17,7 @@ from hybridkv import HybridKVError
 from hybridkv.cache.chunks import encode_chunk
 from hybridkv.methods.chunked import ATTENTION, LINEAR, PAIRS, execute_chunks, parse_pair
 from hybridkv.methods.chunked.base import runs
+from hybridkv.methods.chunked.cacheblend import NOTHING_TO_REPAIR, CacheBlend, deviations
 from hybridkv.methods.chunked.linearkv import most_relevant
 from tests.conftest import random_tokens
 
@@ -30,6 +32,9 @@ class RecomputeAll:
 
     def recompute(self, model, chunks, question):
         return [list(range(len(chunk))) for chunk in chunks]
+
+    def selection_layer_tokens(self, model, chunks):
+        return 0
 
 
 def full_prefill(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -61,6 +66,23 @@ def test_recomputing_every_token_is_full_prefill_whatever_the_linear_policy(mode
         outcome = execute_chunks(model, chunks, question, RecomputeAll(), linear)
         torch.testing.assert_close(outcome.logits, full, atol=1e-4, rtol=0, msg=linear.name)
         assert outcome.reused_tokens == 0 and outcome.recomputed_tokens == 21 + 34 + 17 + 5
+
+
+@pytest.mark.parametrize("name", ["random-qwen3-next", "random-glm5-next"])
+def test_cacheblend_picks_the_most_deviating_tokens_and_the_leading_chunk_never_deviates(models, name):
+    model = models[name]
+    vocab = model.config.vocab_size
+    chunks = [encode_chunk(model, random_tokens(n, seed=70 + n, vocab=vocab), with_maps=False) for n in (30, 26, 33)]
+    per_chunk = deviations(model, chunks)
+    # the first chunk sits where it was encoded, after nothing: its stored KV is what the context gives
+    assert per_chunk[0].max() < NOTHING_TO_REPAIR
+    assert all(d.max() > 1e-4 for d in per_chunk[1:])
+    picks = CacheBlend(ratio=0.2).recompute(model, chunks, torch.tensor([5]))
+    chosen = torch.cat([d[p] for d, p in zip(per_chunk, picks, strict=True) if p])
+    left = torch.cat([d[[i for i in range(d.numel()) if i not in p]] for d, p in zip(per_chunk, picks, strict=True)])
+    assert sum(map(len, picks)) == math.ceil(0.2 * (30 + 26 + 33)) and chosen.min() >= left.max()
+    first_attention = model.description.attention_layers[0]
+    assert CacheBlend().selection_layer_tokens(model, chunks) == (30 + 26 + 33) * (first_attention + 1)
 
 
 def test_pairs_differ_where_they_should(models):

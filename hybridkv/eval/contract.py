@@ -232,7 +232,8 @@ class ChunkedArenaMethod:
             ttft_s=ttft,
             reused_tokens=outcome.reused_tokens,
             recomputed_tokens=outcome.recomputed_tokens,
-            recomputed_layer_tokens=outcome.recomputed_tokens * self.model.description.num_layers,
+            recomputed_layer_tokens=outcome.recomputed_tokens * self.model.description.num_layers
+            + outcome.selection_layer_tokens,
             kv_bytes=sum(part["attention_kv"] for part in parts),
             state_bytes=0 if self.linear.name == "zero" else sum(part[k] for part in parts for k in state_parts),
         )

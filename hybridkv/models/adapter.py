@@ -52,6 +52,10 @@ INDEXED_ATTENTION_TENSORS: dict[str, int] = {**ATTENTION_TENSORS, "indexer_keys"
 POSITIONS = "positions"
 
 
+class _StopForward(Exception):
+    """Raised by an armed attention cache layer to end a forward at it (`kv_at_first_attention`)."""
+
+
 class _Splice:
     """Mixin for an attention cache layer: the next update takes exact KV for each row's first tokens.
 
@@ -79,7 +83,11 @@ class _Splice:
         return spliced
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return super().update(self._splice("keys", key_states), self._splice("values", value_states), *args, **kwargs)
+        key_states, value_states = self._splice("keys", key_states), self._splice("values", value_states)
+        if getattr(self, "stop_here", None) is not None:
+            self.stop_here.update(keys=key_states, values=value_states)
+            raise _StopForward
+        return super().update(key_states, value_states, *args, **kwargs)
 
 
 class SplicingLayer(_Splice, DynamicLayer):
@@ -419,3 +427,25 @@ def exact_kv_for_first_tokens(
             f"exact KV was never taken by attention layers {left}: the model did not update its cache "
             "through the cache layer's methods, so the replay would not be exact"
         )
+
+
+@contextmanager
+def kv_at_first_attention(description: ModelDescription, cache: DynamicCache) -> Iterator[dict[str, torch.Tensor]]:
+    """During one forward, the KV the first attention layer computes for the forward's tokens, and
+    the forward ends there: only the layers before it run (CacheBlend's early-layer check costs
+    that much, not a prefill). The dict yielded holds `keys` and `values` once the forward has
+    run; the cache is left half-updated and must not be used again.
+    """
+    layer = cache.layers[description.attention_layers[0]]
+    if not isinstance(layer, _Splice):
+        raise HybridKVError(f"the first attention layer ({type(layer).__name__}) cannot report its KV")
+    captured: dict[str, torch.Tensor] = {}
+    layer.stop_here = captured
+    try:
+        yield captured
+    except _StopForward:
+        pass
+    finally:
+        layer.stop_here = None
+    if not captured:
+        raise HybridKVError("the first attention layer never received its KV: the forward did not reach it")

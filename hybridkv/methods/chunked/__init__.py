@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.chunked.base import AttentionPolicy, ChunkOutcome, LinearPolicy, execute_chunks
+from hybridkv.methods.chunked.cacheblend import CacheBlend
 from hybridkv.methods.chunked.compose import Compose
 from hybridkv.methods.chunked.epic import Epic
 from hybridkv.methods.chunked.linearkv import LinearKV
@@ -11,7 +12,9 @@ from hybridkv.methods.chunked.naive import Naive
 from hybridkv.methods.chunked.position_corrected import PositionCorrected
 from hybridkv.methods.chunked.zero import Zero
 
-ATTENTION: dict[str, AttentionPolicy] = {policy.name: policy for policy in (Naive(), PositionCorrected(), Epic())}
+ATTENTION: dict[str, AttentionPolicy] = {
+    policy.name: policy for policy in (Naive(), PositionCorrected(), Epic(), CacheBlend())
+}
 LINEAR: dict[str, LinearPolicy] = {
     policy.name: policy for policy in (Zero(), LinearKV(), LinearKV(relevant=True), Compose())
 }

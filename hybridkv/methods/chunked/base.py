@@ -43,6 +43,10 @@ class AttentionPolicy(Protocol):
         """For each chunk, the indices (inside it) of the tokens whose KV is recomputed."""
         ...
 
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+        """Tokens × layers that choosing them pushed through the model (0 for a fixed rule)."""
+        ...
+
 
 class LinearPolicy(Protocol):
     name: str
@@ -68,6 +72,7 @@ class ChunkOutcome:
     cache: DynamicCache  # ready to decode after the question
     reused_tokens: int  # context tokens whose stored KV was used
     recomputed_tokens: int  # context and question tokens pushed through the model
+    selection_layer_tokens: int = 0  # tokens × layers run to choose what to recompute
 
 
 def runs(indices: list[int]) -> list[tuple[int, int]]:
@@ -129,4 +134,5 @@ def execute_chunks(
     write_states(cache, carried if exact else linear.at_question(chunks, carried, question))
     logits = model.forward(question, cache, start=position, logits_to_keep=logits_to_keep)
     context = sum(len(chunk) for chunk in chunks)
-    return ChunkOutcome(logits, cache, context - recomputed, recomputed + question.numel())
+    selection = attention.selection_layer_tokens(model, chunks)
+    return ChunkOutcome(logits, cache, context - recomputed, recomputed + question.numel(), selection)

@@ -23,3 +23,6 @@ class Epic:
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] if i == 0 else list(range(min(self.k, len(chunk)))) for i, chunk in enumerate(chunks)]
+
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+        return 0

@@ -17,3 +17,6 @@ class Naive:
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] for _ in chunks]
+
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+        return 0

@@ -23,3 +23,6 @@ class PositionCorrected:
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] for _ in chunks]
+
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+        return 0
