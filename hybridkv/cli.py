@@ -116,7 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="methods (no-context is the PGR floor, full the oracle; entry-point methods work too); "
         "NAME@BUDGET runs a budgeted method at that budget only, e.g. tail-replay-recompute@0.05; "
         "ATTENTION+LINEAR runs a position-independent pair over separately encoded chunks, e.g. epic+linearkv "
-        "(attention: naive, position-corrected, epic, cacheblend; linear: zero, linearkv, linearkv-relevant, compose)",
+        "(attention: naive, position-corrected, epic, cacheblend, prophet; "
+        "linear: zero, linearkv, linearkv-relevant, compose)",
     )
     run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")

@@ -19,6 +19,7 @@ from hybridkv.methods.chunked import ATTENTION, LINEAR, PAIRS, execute_chunks, p
 from hybridkv.methods.chunked.base import runs
 from hybridkv.methods.chunked.cacheblend import NOTHING_TO_REPAIR, CacheBlend, deviations
 from hybridkv.methods.chunked.linearkv import most_relevant
+from hybridkv.methods.chunked.prophet import Prophet, relevance
 from tests.conftest import random_tokens
 
 NAMES = ["random-glm5-next", "random-qwen3-next", "random-kimi-linear", "random-olmo-hybrid", "random-nemotron-h"]
@@ -33,7 +34,7 @@ class RecomputeAll:
     def recompute(self, model, chunks, question):
         return [list(range(len(chunk))) for chunk in chunks]
 
-    def selection_layer_tokens(self, model, chunks):
+    def selection_layer_tokens(self, model, chunks, question):
         return 0
 
 
@@ -82,7 +83,9 @@ def test_cacheblend_picks_the_most_deviating_tokens_and_the_leading_chunk_never_
     left = torch.cat([d[[i for i in range(d.numel()) if i not in p]] for d, p in zip(per_chunk, picks, strict=True)])
     assert sum(map(len, picks)) == math.ceil(0.2 * (30 + 26 + 33)) and chosen.min() >= left.max()
     first_attention = model.description.attention_layers[0]
-    assert CacheBlend().selection_layer_tokens(model, chunks) == (30 + 26 + 33) * (first_attention + 1)
+    assert CacheBlend().selection_layer_tokens(model, chunks, torch.tensor([5])) == (30 + 26 + 33) * (
+        first_attention + 1
+    )
 
 
 def test_pairs_differ_where_they_should(models):
@@ -122,3 +125,25 @@ def test_unknown_pairs_are_refused_in_one_line():
         with pytest.raises(HybridKVError, match="ATTENTION\\+LINEAR") as refusal:
             parse_pair(bad)
         assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("name", ["random-qwen3-next", "random-nemotron-h"])
+def test_prophet_recomputes_what_the_question_attends_to(models, name):
+    """Relevance is the attention the question pays each context token, read off transformers'
+    own (eager) attention weights; the top 20% of the later chunks' tokens are recomputed."""
+    model = models[name]
+    vocab = model.config.vocab_size
+    chunks = [encode_chunk(model, random_tokens(n, seed=80 + n, vocab=vocab), with_maps=False) for n in (25, 30, 35)]
+    question = random_tokens(6, seed=8, vocab=vocab)
+    scores = relevance(model, chunks, question)
+    assert [s.numel() for s in scores] == [25, 30, 35] and all(bool((s >= 0).all()) for s in scores)
+    # each attention layer's weights sum to one per head and query: what the context receives is at most that
+    heads = model.config.num_attention_heads
+    assert 0 < float(torch.cat(scores).sum()) <= heads * question.numel() + 1e-3
+    picks = Prophet().recompute(model, chunks, question)
+    assert picks[0] == [] and sum(map(len, picks)) == math.ceil(0.2 * 65)
+    later = torch.cat(scores[1:])
+    chosen = torch.cat([s[p] for s, p in zip(scores[1:], picks[1:], strict=True)])
+    assert chosen.min() >= torch.topk(later, len(chosen)).values.min()
+    outcome = execute_chunks(model, chunks, question, Prophet(), LINEAR["linearkv"])
+    assert outcome.recomputed_tokens == 13 + 6 and outcome.selection_layer_tokens == 6 * model.description.num_layers

@@ -98,6 +98,28 @@ class HybridModel:
             return None
         return self.lm_head(hidden[:, -logits_to_keep:]).float().cpu()
 
+    @torch.inference_mode()
+    def attention_weights(self, tokens: torch.Tensor, cache: DynamicCache, start: int) -> list[torch.Tensor]:
+        """Run `tokens` (1-D, positions start, …) on top of `cache` and return every attention layer's
+        attention weights [heads, len(tokens), cached + len(tokens)] (float32, CPU).
+
+        transformers returns weights only from its eager attention, so the decoder is switched to it
+        for this call and back afterwards (the numbers are the same; only the kernel differs)."""
+        previous = self.backbone.config._attn_implementation
+        self.backbone.set_attn_implementation("eager")
+        try:
+            positions = torch.arange(start, start + tokens.numel(), device=self.device).unsqueeze(0)
+            outputs = self.backbone(
+                input_ids=tokens.to(self.device).unsqueeze(0),
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                output_attentions=True,
+            )
+        finally:
+            self.backbone.set_attn_implementation(previous)
+        return [weights[0].float().cpu() for weights in outputs.attentions if weights is not None]
+
 
 def model_from_config(config: PreTrainedConfig) -> tuple[nn.Module, nn.Module]:
     """The library's model for `config`, initialised by the library under the current torch seed."""

@@ -10,10 +10,11 @@ from hybridkv.methods.chunked.epic import Epic
 from hybridkv.methods.chunked.linearkv import LinearKV
 from hybridkv.methods.chunked.naive import Naive
 from hybridkv.methods.chunked.position_corrected import PositionCorrected
+from hybridkv.methods.chunked.prophet import Prophet
 from hybridkv.methods.chunked.zero import Zero
 
 ATTENTION: dict[str, AttentionPolicy] = {
-    policy.name: policy for policy in (Naive(), PositionCorrected(), Epic(), CacheBlend())
+    policy.name: policy for policy in (Naive(), PositionCorrected(), Epic(), CacheBlend(), Prophet())
 }
 LINEAR: dict[str, LinearPolicy] = {
     policy.name: policy for policy in (Zero(), LinearKV(), LinearKV(relevant=True), Compose())

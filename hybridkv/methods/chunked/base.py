@@ -43,7 +43,7 @@ class AttentionPolicy(Protocol):
         """For each chunk, the indices (inside it) of the tokens whose KV is recomputed."""
         ...
 
-    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         """Tokens × layers that choosing them pushed through the model (0 for a fixed rule)."""
         ...
 
@@ -134,5 +134,5 @@ def execute_chunks(
     write_states(cache, carried if exact else linear.at_question(chunks, carried, question))
     logits = model.forward(question, cache, start=position, logits_to_keep=logits_to_keep)
     context = sum(len(chunk) for chunk in chunks)
-    selection = attention.selection_layer_tokens(model, chunks)
+    selection = attention.selection_layer_tokens(model, chunks, question)
     return ChunkOutcome(logits, cache, context - recomputed, recomputed + question.numel(), selection)

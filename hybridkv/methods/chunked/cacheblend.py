@@ -71,5 +71,5 @@ class CacheBlend:
             offset += deviation.numel()
         return picks
 
-    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         return sum(len(chunk) for chunk in chunks) * (model.description.attention_layers[0] + 1)

@@ -24,5 +24,5 @@ class Epic:
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] if i == 0 else list(range(min(self.k, len(chunk)))) for i, chunk in enumerate(chunks)]
 
-    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         return 0

@@ -24,5 +24,5 @@ class PositionCorrected:
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
         return [[] for _ in chunks]
 
-    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk]) -> int:
+    def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         return 0
