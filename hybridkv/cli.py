@@ -127,6 +127,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: per task)")
     run.add_argument("--checkpoint-interval", type=int, default=384, help="state checkpoints for checkpoint methods")
+    run.add_argument(
+        "--cache-model",
+        default=None,
+        help="cross-checkpoint reuse: caches are built by this checkpoint (built-in name or directory) of the same "
+        "architecture and size as --model, which answers (default: --model builds them)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", type=Path, default=Path("out/arena"), help="output directory (resumed if it exists)")
     run.add_argument("--no-progress", action="store_true")
@@ -453,7 +459,13 @@ def _arena(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     model = _load(args)
-    config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None)
+    cache_model = None
+    if args.cache_model:
+        from hybridkv.models import load_model
+        from hybridkv.models.loader import DTYPES
+
+        cache_model = load_model(args.cache_model, seed=args.seed, dtype=DTYPES[args.dtype], device=model.device)
+    config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None, cache_model=cache_model)
     run_arena(
         model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, workload.score,
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,

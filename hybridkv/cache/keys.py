@@ -106,6 +106,24 @@ def model_fingerprint(model: HybridModel) -> str:
     return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights, dtype).hex()
 
 
+def family_fingerprint(model: HybridModel, family: str) -> str:
+    """A fingerprint shared by every checkpoint of one model family that the user names `family`:
+    architecture, canonical config and dtype, but not the weights.
+
+    Store keys normally commit to the weights, so a cache written by one checkpoint is never read
+    by another. Reading another checkpoint's caches (KVShareArena's cross-checkpoint axis: a
+    fine-tuned model reusing its base model's caches) is possible only through this explicit
+    opt-in: both sides pass the same family name, and entries of other families, or of the same
+    weights without the name, stay apart.
+    """
+    if not family:
+        raise ValueError("a cache family needs a name")
+    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
+    return _sha(
+        b"hybridkv-family", family.encode(), model.config.model_type.encode(), config, str(model.dtype).encode()
+    ).hex()
+
+
 class PrefixKeys:
     """Chained prefix keys for one (model, tenant) namespace, with chunks of `chunk_tokens` tokens.
 

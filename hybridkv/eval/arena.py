@@ -133,6 +133,7 @@ def run_arena(
                 "state_bytes": answer.state_bytes,
                 "ttft_s": answer.ttft_s,
                 "build_s": build_s,
+                "cache_model": None if config.cache_model is None else config.cache_model.name,
             }
             sink.write(json.dumps(row, sort_keys=True) + "\n")
             sink.flush()

@@ -80,6 +80,23 @@ class ArenaConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     # The run's shared captures: `run_arena` gives each run its own. None: every build captures anew.
     captures: CaptureCache | None = field(default=None, repr=False, compare=False)
+    # Cross-checkpoint reuse (KVShareArena's second axis): caches are built by this checkpoint of
+    # the same family and the answers by the run's model. None: the run's model builds them.
+    cache_model: HybridModel | None = field(default=None, repr=False, compare=False)
+
+
+def cache_builder(model: HybridModel, config: ArenaConfig) -> HybridModel:
+    """The model that builds a run's caches: `config.cache_model` when named (its cache layout must
+    be the answering model's), else the answering model."""
+    builder = config.cache_model
+    if builder is None:
+        return model
+    if (difference := model.description.layout_difference(builder.description)) is not None:
+        raise HybridKVError(
+            f"caches built by {builder.name} do not fit {model.name} ({difference}): cross-checkpoint reuse "
+            "needs two checkpoints of one architecture and size"
+        )
+    return builder
 
 
 @dataclass
@@ -125,16 +142,17 @@ class RecoveryArenaMethod:
     def setup(self, model: HybridModel, config: ArenaConfig) -> None:
         self.model = model
         self.config = config
-        self.fingerprint = model_fingerprint(model) if config.captures is not None else None
+        self.builder = cache_builder(model, config)
+        self.fingerprint = model_fingerprint(self.builder) if config.captures is not None else None
 
     def build_cache(self, source: list[int]) -> Built:
         if self.name == "full":  # full prefill reuses nothing: keep the tokens, build no KV
             return Built(CachedPrompt(torch.tensor(source, dtype=torch.long), {}), 0.0)
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
         if self.config.captures is not None:
-            return self.config.captures.capture(self.model, self.fingerprint, source, interval)
+            return self.config.captures.capture(self.builder, self.fingerprint, source, interval)
         started = time.perf_counter()
-        cached = capture_prompt(self.model, torch.tensor(source, dtype=torch.long), interval)
+        cached = capture_prompt(self.builder, torch.tensor(source, dtype=torch.long), interval)
         return Built(cached, time.perf_counter() - started)
 
     def answer(self, question: list[int], caches: list[CachedPrompt], config: ArenaConfig) -> Answer:
@@ -206,10 +224,11 @@ class ChunkedArenaMethod:
 
     def setup(self, model: HybridModel, config: ArenaConfig) -> None:
         self.model = model
+        self.builder = cache_builder(model, config)
 
     def build_cache(self, source: list[int]) -> Built:
         started = time.perf_counter()
-        chunk = encode_chunk(self.model, torch.tensor(source, dtype=torch.long), with_maps=self.linear.needs_maps)
+        chunk = encode_chunk(self.builder, torch.tensor(source, dtype=torch.long), with_maps=self.linear.needs_maps)
         return Built(chunk, time.perf_counter() - started)
 
     def answer(self, question: list[int], caches: list[EncodedChunk], config: ArenaConfig) -> Answer:

@@ -80,6 +80,18 @@ class ModelDescription:
         attended = context if self.max_attended_context is None else min(context, self.max_attended_context)
         return 2.0 * self.active_parameters + self.attention_flops_per_context_token * attended
 
+    def layout_difference(self, other: ModelDescription) -> str | None:
+        """Why `other`'s cache pieces would not fit this model's cache layers, or None if they do
+        (the same layer kinds, state shapes and dtypes, and token-indexed tensors, layer by layer)."""
+        if self.num_layers != other.num_layers:
+            return f"{other.num_layers} layers against {self.num_layers}"
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            fields = ("kind", "state_tensors", "token_dims", "kv_bytes_per_token", "window")
+            for name in fields:
+                if getattr(mine, name) != getattr(theirs, name):
+                    return f"layer {mine.index}: {name} {getattr(theirs, name)} against {getattr(mine, name)}"
+        return None
+
     def as_dict(self) -> dict:
         return {
             "name": self.name,
