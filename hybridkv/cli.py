@@ -105,7 +105,8 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=WORKLOADS,
         help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
         "multi-turn (each turn extends the last), rag (retrieved passages, each cached alone), "
-        "agent-reports (sub-agents' reports, each cached alone; the answer needs two)",
+        "agent-reports (sub-agents' reports, each cached alone; the answer needs two), "
+        "kvsharearena (KVShareArena's frozen querysets, one cache per declared chunk; needs --data)",
     )
     run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
     run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")
@@ -123,7 +124,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
     _add_device_options(run)
     run.add_argument(
-        "--data", default=None, help="local data: SQuAD/HotpotQA json for RULER's qa tasks; LongBench's data folder"
+        "--data",
+        default=None,
+        help="local data: SQuAD/HotpotQA json for RULER's qa tasks; LongBench's data folder; "
+        "KVShareArena's data/queryset folder",
     )
     run.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: per task)")
     run.add_argument("--checkpoint-interval", type=int, default=384, help="state checkpoints for checkpoint methods")
@@ -140,6 +144,15 @@ def _build_parser() -> argparse.ArgumentParser:
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
     report.add_argument("out", type=Path)
+    export = arena_commands.add_parser(
+        "export",
+        help="write OUT's answers in another benchmark's format: kva (KVShareArena's kva.result.v1, one file per "
+        "method, and the run's anchors); for --workload kvsharearena runs",
+    )
+    export.add_argument("out", type=Path)
+    export.add_argument("--format", required=True, choices=["kva"], help="kva: KVShareArena's kva.result.v1")
+    export.add_argument("--to", type=Path, default=None, help="output directory (default: OUT/kva)")
+    export.add_argument("--model", default=None, help="the model name to report (default: OUT/run.json's)")
     ttft = commands.add_parser(
         "ttft",
         help="TTFT speedups at long matched prefixes beside the cost-model bound",
@@ -420,6 +433,12 @@ def _arena(args: argparse.Namespace) -> None:
     if args.action == "score":
         write_summary()
         return
+    if args.action == "export":
+        from hybridkv.eval.kva import export_kva
+
+        for path in export_kva(args.out, args.to, args.model):
+            print(f"wrote {path}")
+        return
 
     from hybridkv.eval.arena import ArenaPlan, method_grid, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
@@ -459,6 +478,10 @@ def _arena(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     model = _load(args)
+    from hybridkv.eval.kva import record_run  # OUT/run.json: what `arena export` reports as the run's model
+
+    record_run(args.out, model=args.model, dtype=args.dtype, device=str(model.device), seed=args.seed,
+               max_new_tokens=args.max_new_tokens, cache_model=args.cache_model)  # fmt: skip
     cache_model = None
     if args.cache_model:
         from hybridkv.models import load_model

@@ -52,8 +52,12 @@ INDEXED_ATTENTION_TENSORS: dict[str, int] = {**ATTENTION_TENSORS, "indexer_keys"
 POSITIONS = "positions"
 
 
-class _StopForward(Exception):
-    """Raised by an armed attention cache layer to end a forward at it (`kv_at_first_attention`)."""
+class _StopForward(HybridKVError):
+    """Raised by an armed attention cache layer to end a forward at it (`kv_at_first_attention`
+    catches it; one that escapes says so)."""
+
+    def __init__(self) -> None:
+        super().__init__("the forward was ended at the first attention layer (kv_at_first_attention)")
 
 
 class _Splice:

@@ -7,6 +7,9 @@
 - `rag`: retrieved passages, each encoded on its own, concatenated into a new prompt.
 - `agent-reports`: sub-agents' reports, each encoded when it was written, gathered for a question
   that needs two of them.
+- `kvsharearena`: KVShareArena's frozen querysets (LongBench subsets cut into their declared chunks,
+  and agents' question-blind reports) read from a local copy, scored by its F1; `hybridkv arena
+  export --format kva` writes the answers back as its result files (`hybridkv.eval.kva`).
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
@@ -14,8 +17,8 @@ A `Sample` splits a prompt in two: `context` is the question-blind document a me
 ahead of time, `question` is what follows it (the query and the answer prefix). The full prompt
 is always `context + question`.
 
-The position-independent workloads (`rag`, `agent-reports`) also set `chunks`: the context cut
-into the pieces that were encoded separately (`"".join(chunks) == context`). The runner tokenises
+The position-independent workloads (`rag`, `agent-reports`, `kvsharearena`) also set `chunks`: the
+context cut into the pieces that were encoded separately (`"".join(chunks) == context`). The runner tokenises
 each piece alone and hands a method one cache per piece, the way a serving engine meets them; a
 prefix-reuse method can only use the first (the shared instructions) and recomputes the rest.
 """
@@ -42,7 +45,7 @@ class Sample:
         return self.chunks or [self.context]
 
 
-WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports")
+WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports", "kvsharearena")
 
 
 def largest_fitting(fits: Callable[[int], bool], high: int) -> int:
