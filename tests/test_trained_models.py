@@ -25,7 +25,9 @@ def test_shipped_weights_fit_and_say_how_they_were_made(name):
     directory = TRAINED_MODELS[name]
     assert (directory / "model.safetensors").stat().st_size <= MAX_BYTES
     card = json.loads((directory / "training.json").read_text())
-    assert card["steps"] > 0 and card["train_config"]["model"] == name
+    shape = card["train_config"]["model"]
+    # a second checkpoint of a trained shape (for cross-checkpoint reuse) is named <shape>-<tag>
+    assert card["steps"] > 0 and (name == shape or name.startswith(f"{shape}-"))
 
 
 @pytest.mark.parametrize("name", NAMES)
