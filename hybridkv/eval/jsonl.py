@@ -13,8 +13,9 @@ from pathlib import Path
 from hybridkv.errors import HybridKVError
 
 
-def parse_jsonl(text: str, where: str, *, torn_tail_ok: bool = False) -> list[dict]:
-    """The JSON objects of `text`, one per line; blank lines are skipped.
+def numbered_jsonl(text: str, where: str, *, torn_tail_ok: bool = False) -> list[tuple[int, dict]]:
+    """The JSON objects of `text`, one per line, each with its 1-based line number; blank lines are
+    skipped.
 
     Any line that is not a JSON object is refused with its line number — except, when
     `torn_tail_ok`, a last line with no newline after it: a writer killed mid-line leaves one,
@@ -34,8 +35,13 @@ def parse_jsonl(text: str, where: str, *, torn_tail_ok: bool = False) -> list[di
             raise HybridKVError(f"{where}:{number + 1}: not a JSON line ({err.msg})") from err
         if not isinstance(record, dict):
             raise HybridKVError(f"{where}:{number + 1}: not a JSON object")
-        records.append(record)
+        records.append((number + 1, record))
     return records
+
+
+def parse_jsonl(text: str, where: str, *, torn_tail_ok: bool = False) -> list[dict]:
+    """`numbered_jsonl` without the line numbers."""
+    return [record for _, record in numbered_jsonl(text, where, torn_tail_ok=torn_tail_ok)]
 
 
 def read_jsonl(path: Path, *, torn_tail_ok: bool = False) -> list[dict]:

@@ -52,6 +52,7 @@ import re
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.eval.jsonl import numbered_jsonl
 from hybridkv.eval.scoring import qa_f1_score
 from hybridkv.eval.workloads import Sample
 from hybridkv.eval.workloads.longbench import MAX_NEW_TOKENS, PROMPTS
@@ -129,18 +130,7 @@ def _records(path: Path, data: bytes) -> list[tuple[int, dict]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise HybridKVError(f"{path}: not UTF-8 text (byte {err.start})") from err
-    records = []
-    for number, line in enumerate(text.split("\n"), 1):  # "\n" only: JSON strings may hold U+2028
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise HybridKVError(f"{path}:{number}: not a JSON line ({err.msg})") from err
-        if not isinstance(record, dict):
-            raise HybridKVError(f"{path}:{number}: not a JSON object")
-        records.append((number, record))
-    return records
+    return numbered_jsonl(text, str(path))
 
 
 def _field(record: dict, key: str, kind: type, where: str):
