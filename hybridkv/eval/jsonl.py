@@ -53,3 +53,14 @@ def read_jsonl(path: Path, *, torn_tail_ok: bool = False) -> list[dict]:
     except UnicodeDecodeError as err:
         raise HybridKVError(f"{path}: not UTF-8 text (byte {err.start})") from err
     return parse_jsonl(text, str(path), torn_tail_ok=torn_tail_ok)
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in file `path`, or a one-line error naming the file and `what` it should be."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HybridKVError(f"{path}: not a readable {what} ({err})") from err
+    if not isinstance(data, dict):
+        raise HybridKVError(f"{path}: not a JSON object ({what})")
+    return data

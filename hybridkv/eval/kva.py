@@ -38,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.eval.jsonl import read_json_object
 
 SCHEMA = "kva.result.v1"
 SUMMARY_KEYS = ("method", "track", "subset", "model", "n", "backend", "versions", "git_rev")
@@ -111,13 +112,7 @@ def record_run(
 
 
 def _read_run(path: Path) -> dict:
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HybridKVError(f"{path}: not a readable run record ({err})") from err
-    if not isinstance(info, dict):
-        raise HybridKVError(f"{path}: not a JSON object")
-    return info
+    return read_json_object(path, "run record")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class _Splice:
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.pending: dict[str, tuple[int, list[torch.Tensor | None]]] = {}
+        # armed by `kv_at_first_attention`: the next update fills it and ends the forward
+        self.stop_here: dict[str, torch.Tensor] | None = None
 
     def _splice(self, name: str, incoming: torch.Tensor) -> torch.Tensor:
         if name not in self.pending:
@@ -88,7 +90,7 @@ class _Splice:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         key_states, value_states = self._splice("keys", key_states), self._splice("values", value_states)
-        if getattr(self, "stop_here", None) is not None:
+        if self.stop_here is not None:
             self.stop_here.update(keys=key_states, values=value_states)
             raise _StopForward
         return super().update(key_states, value_states, *args, **kwargs)

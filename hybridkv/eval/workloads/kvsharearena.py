@@ -47,12 +47,11 @@ F1 (`scoring.qa_f1_score`), the best over the golds, 0.0 with no golds.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.jsonl import numbered_jsonl
+from hybridkv.eval.jsonl import numbered_jsonl, read_json_object
 from hybridkv.eval.scoring import qa_f1_score
 from hybridkv.eval.workloads import Sample
 from hybridkv.eval.workloads.longbench import MAX_NEW_TOKENS, PROMPTS
@@ -112,12 +111,7 @@ def _read(path: Path, root: Path) -> tuple[bytes, str]:
     digest = hashlib.sha256(data).hexdigest()
     sums = root / "sha256.json"
     if sums.exists():
-        try:
-            expected = json.loads(sums.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise HybridKVError(f"{sums}: not a readable JSON checksum list ({err})") from err
-        if not isinstance(expected, dict):
-            raise HybridKVError(f"{sums}: not a JSON object of file -> sha256")
+        expected = read_json_object(sums, "JSON checksum list (file -> sha256)")
         want = expected.get(path.relative_to(root).as_posix())
         if want is not None and want != digest:
             raise HybridKVError(f"{path}: sha256 {digest[:12]}… is not the {str(want)[:12]}… sha256.json records")
