@@ -250,7 +250,12 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint interval (steps)")
     train.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
     train.add_argument("--stop-at", type=int, default=None, help="end this stretch at this step (resume later)")
-    train.add_argument("--tasks", default="", help="comma list of training tasks (default: the whole mix)")
+    train.add_argument(
+        "--tasks",
+        default="",
+        help="comma list of training tasks, NAME or NAME:WEIGHT (a bare name keeps its default weight; "
+        "documents, the rag/agent-reports shape, is drawn only when named with a weight) (default: the whole mix)",
+    )
     train.add_argument(
         "--init", type=Path, default=None,
         help="start a fresh run from these weights (a model directory, e.g. hybridkv/models/weights/tiny-glm5-next)",

@@ -11,7 +11,7 @@ import torch
 from transformers.models.glm5_next import modeling_glm5_next
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.workloads import ruler
+from hybridkv.eval.workloads import agent_reports, rag, ruler
 from hybridkv.models import load_model
 from hybridkv.models.tokenizer import ByteTokenizer
 from hybridkv.train import data
@@ -169,13 +169,33 @@ def test_no_arena_needle_key_or_answer_occurs_in_the_training_stream():
             for chain in sample.meta.get("chains", []):
                 probes |= {link["text"].strip() for link in chain}
             probes |= {gold for gold in sample.golds if len(gold) >= 7}
-    assert len(probes) > 100
+    # rag's passage titles and agent-reports' regions, with their answers: the documents task's shape
+    for sample in [
+        *rag.generate("rag", 4096, 8, tokenizer),
+        *agent_reports.generate("agent-reports", 4096, 8, tokenizer),
+    ]:
+        probes |= {line.split("\n")[0].split(" on ")[-1].removeprefix("Passage: ") for line in sample.chunks[1:]}
+        probes |= set(sample.golds)
+    assert len(probes) > 150
+    everything = data.task_table(tuple(f"{name}:1" for name in data.TASKS))
     stream = "\n".join(
-        tokenizer.decode(data.example(0, "train", step, index, 2048).tokens) for step in range(0, 4000, 40)
-        for index in range(4)
+        tokenizer.decode(data.example(0, "train", step, index, 2048, table).tokens) for step in range(0, 4000, 40)
+        for index in range(4) for table in (None, everything)
     )  # fmt: skip
     leaked = sorted(p for p in probes if p in stream)
     assert not leaked, f"arena needles in the training stream: {leaked[:5]}"
+
+
+def test_task_weights_are_read_and_bad_ones_refused_in_one_line():
+    assert data.task_table(()) is None
+    table = data.task_table(("documents:0.5", "niah"))
+    assert {name: share for name, (share, _) in table.items()} == {"documents": 0.5, "niah": data.TASKS["niah"][0]}
+    drawn = {data.example(0, "train", 3, index, 1024, table).task.split("_")[0] for index in range(30)}
+    assert drawn == {"documents", "niah"}
+    for specs, message in ((("documents",), "positive weight"), (("nope:1",), "unknown training task"),
+                           (("niah:x",), "not a number")):  # fmt: skip
+        with pytest.raises(HybridKVError, match=message):
+            data.task_table(specs)
 
 
 def test_bad_schedule_is_refused_in_one_line():

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.errors import HybridKVError
 from hybridkv.models.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -391,6 +392,80 @@ def passages(rng: random.Random, length: int) -> Example | None:
     return Example(tokens, ((len(prompt), length),), "passages")
 
 
+# Attributes a `documents` fact can state; each document of an example states the same one.
+ATTRIBUTES = (
+    "record code",
+    "registration number",
+    "serial number",
+    "catalogue number",
+    "surveyed population",
+    "postal code",
+    "account number",
+    "permit number",
+)
+
+
+def documents(rng: random.Random, length: int) -> Example | None:
+    """Separately written documents of 150-700 tokens, every one stating the same kind of fact
+    about its own title, then a question about one or two of them: the shape of the arena's `rag`
+    and `agent-reports` workloads (their phrasing, this module's titles, values and prose). With a
+    fact of the same kind in every document, the answer needs the title matched, not the first
+    number found; a two-title question needs facts from two documents."""
+    count = rng.randint(2, max(2, min(16, length // 200)))
+    attr = rng.choice(ATTRIBUTES)
+    numbers = rng.random() < 0.8
+    taken: set[str] = set()
+    titles = [_distinct(lambda: _word(rng).capitalize() + " " + _word(rng).capitalize(), taken) for _ in range(count)]
+    facts = [_distinct(lambda: _value("numbers" if numbers else "words", rng), taken) for _ in range(count)]
+    style = rng.choice(("document", "passage", "report"))
+    asked = sorted(rng.sample(range(count), 2 if count > 2 and rng.random() < 0.3 else 1))
+    head = rng.choice(
+        (
+            "Read the documents below and answer the question.\n\n",
+            "Answer the question using the passages below. Give only the answer.\n\n",
+            "Your assistants each wrote one report below. Answer from the reports.\n\n",
+        )
+    )
+    if len(asked) == 1:
+        title = titles[asked[0]]
+        question = f"Question: What is the {attr} of {title}?\nAnswer: The {attr} of {title} is"
+    else:
+        first, second = (titles[i] for i in asked)
+        question = (
+            f"Question: What {attr}s are given for {first} and for {second}?\n"
+            f"Answer: The {attr}s of {first} and {second} are"
+        )
+    answer = " " + " and ".join(facts[i] for i in asked) + ".\n"
+
+    def frame(index: int, body: str) -> str:
+        if style == "document":
+            return f"Document: {titles[index]}\n{body}\n\n"
+        if style == "passage":
+            return f"Passage: {titles[index]}\n{body}\n\n"
+        return f"Report {index + 1} on {titles[index]}\nNotes: {body}\nStatus: complete.\n\n"
+
+    fact_texts = [
+        (f"Finding: the {attr} of {t} is {v}." if style == "report" else f"The {attr} of {t} is {v}.")
+        for t, v in zip(titles, facts, strict=True)
+    ]
+    fixed = len(head) + len(question) + len(answer) + 1 + sum(len(frame(i, f)) + 1 for i, f in enumerate(fact_texts))
+    room = length - fixed
+    if room < 40 * count:
+        return None
+    shares = [rng.uniform(0.5, 1.5) for _ in range(count)]
+    sizes = [int(room * s / sum(shares)) for s in shares]
+    sizes[-1] += room - sum(sizes)
+    docs = []
+    for index, (size, fact) in enumerate(zip(sizes, fact_texts, strict=True)):
+        text = _fill(_haystack("prose", size, rng), " ", size)
+        cut = max(text.rfind(" ", 0, rng.randrange(0, size)), 0)
+        docs.append(frame(index, text[:cut] + " " + fact + text[cut:]))
+    prompt = head + "".join(docs) + question
+    tokens = TOKENIZER.encode(prompt) + TOKENIZER.encode(answer) + [EOS]
+    assert len(tokens) == length, (len(tokens), length)
+    return Example(tokens, ((len(prompt), length),), "documents")
+
+
 def copy(rng: random.Random, length: int) -> Example | None:
     """A random passage written out again two to four times: every copy after the first is an
     answer span. In-context copying (an induction head) is what every retrieval task builds on,
@@ -474,7 +549,30 @@ TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] =
     "natural": (0.15, natural),
     # Also the short-example warm-up on its own (`hybridkv train --tasks pairs,copy`).
     "pairs": (0.15, pairs),
+    # Not in the default mix (weight 0: the default stream stays what the shipped models saw);
+    # name it with a weight, e.g. `--tasks documents:0.35,niah:0.25,...`.
+    "documents": (0.0, documents),
 }
+
+
+Generator = Callable[[random.Random, int], Example | None]
+
+
+def task_table(specs: tuple[str, ...]) -> dict[str, tuple[float, Generator]] | None:
+    """`NAME` or `NAME:WEIGHT` entries (a bare name keeps its default weight); () is the default mix."""
+    table = {}
+    for spec in specs:
+        name, _, weight = spec.partition(":")
+        if name not in TASKS:
+            raise HybridKVError(f"unknown training task {name!r}; known: {', '.join(TASKS)}")
+        try:
+            share = float(weight) if weight else TASKS[name][0]
+        except ValueError:
+            raise HybridKVError(f"--tasks: weight of {name!r} is not a number: {weight!r}") from None
+        if share <= 0:
+            raise HybridKVError(f"--tasks: give {name!r} a positive weight, e.g. {name}:0.3")
+        table[name] = (share, TASKS[name][1])
+    return table or None
 
 
 def example(seed: int, stream: str, step: int, index: int, length: int, tasks: dict | None = None) -> Example:

@@ -48,7 +48,7 @@ class TrainConfig:
     warmup: int = 50
     decay: float = 0.15  # share of all steps over which the rate falls from lr to min_lr, at the end
     weight_decay: float = 0.01
-    tasks: tuple[str, ...] = ()  # names from hybridkv.train.data.TASKS, at their weights; () = all of them
+    tasks: tuple[str, ...] = ()  # NAME or NAME:WEIGHT from hybridkv.train.data.TASKS; () = the default mix
     answer_weight: float = 3.0
     indexer_weight: float = 1.0
     indexer_queries: int = 64
@@ -314,9 +314,7 @@ def train(config: TrainConfig) -> Path:
     with (run_dir / "stretches.jsonl").open("a") as stretches:
         record = {"from_step": start, "commit": _git_commit(), "config": asdict(config)}
         stretches.write(json.dumps(record, default=str) + "\n")
-    if unknown := [t for t in config.tasks if t not in data.TASKS]:
-        raise HybridKVError(f"unknown training task(s) {', '.join(unknown)}; known: {', '.join(data.TASKS)}")
-    task_table = {t: data.TASKS[t] for t in config.tasks} or None
+    task_table = data.task_table(config.tasks)
     recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")
