@@ -86,3 +86,23 @@ def test_report_writes_plots_and_tables(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "tail-replay" in report and "![pgr.png](pgr.png)" in report
     assert "data:image/png;base64," in (tmp_path / "report.html").read_text()
+    assert not (tmp_path / "pairs.png").exists() and "attention \\ linear" not in report  # no pairs in this run
+
+
+def test_report_grids_pairs_by_attention_and_linear_policy(tmp_path):
+    import json
+
+    from hybridkv.cli import main
+
+    # Two samples: floor 0 and oracle 1 on both, so a pair's PGR is its mean score.
+    rows = [row(s, m, v) for s in (0, 1) for m, v in (("no-context", 0.0), ("full", 1.0))]
+    rows += [row(0, "epic+compose", 1.0), row(1, "epic+compose", 0.0)]
+    rows += [row(s, "naive+zero", 0.0) for s in (0, 1)] + [row(s, "naive+compose", 1.0) for s in (0, 1)]
+    (tmp_path / "summary.json").write_text(json.dumps(summarise(rows)))
+    assert main(["arena", "report", str(tmp_path)]) == 0
+    assert (tmp_path / "pairs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "report.md").read_text()
+    table = report[report.index("| attention \\ linear") :].split("\n\n")[0].splitlines()
+    assert table[0] == "| attention \\ linear | zero | compose |"  # the methods' own order, not alphabetical
+    assert table[2].startswith("| naive | 0.00 ") and "| 1.00 " in table[2]
+    assert table[3].startswith("| epic |  | 0.50 [")  # no epic+zero in the run: an empty cell

@@ -11,6 +11,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
 from hybridkv.eval.summary import OVERALL  # noqa: E402
+from hybridkv.methods.chunked import ATTENTION, LINEAR
 
 COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
            "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
@@ -66,7 +67,8 @@ def plot_quality_vs_budget(rows: list[dict], path: Path) -> None:
         for index, (method, values) in enumerate(sorted(flat.items())):
             ax.axhline(_mean(values), linestyle="--", color=f"C{(index + 3) % 10}", label=method)
         ax.set(xlabel="replay budget (fraction of the matched prefix)", ylabel=f"mean {key}", title=title)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -129,12 +131,87 @@ def plot_bytes(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _pair_grids(rows: list[dict]) -> dict[tuple[str, int], dict[tuple[str, str], dict]]:
+    """Rows of ATTENTION+LINEAR methods, by (task, length), then by (attention, linear)."""
+    grids: dict[tuple[str, int], dict[tuple[str, str], dict]] = defaultdict(dict)
+    for row in rows:
+        attention, plus, linear = row["method"].partition("+")
+        if plus:
+            grids[(row["task"], row["length"])][(attention, linear)] = row
+    return grids
+
+
+def _axes_of(grid: dict[tuple[str, str], dict]) -> tuple[list[str], list[str]]:
+    """The grid's attention and linear policies, each in the methods' own order (cheapest repair first)."""
+
+    def ordered(names: set[str], known: list[str]) -> list[str]:
+        return sorted(names, key=lambda n: (known.index(n) if n in known else len(known), n))
+
+    return ordered({a for a, _ in grid}, list(ATTENTION)), ordered({b for _, b in grid}, list(LINEAR))
+
+
+def _reference(rows: list[dict], task: str, length: int, method: str) -> dict | None:
+    return next((r for r in rows if (r["task"], r["length"], r["method"]) == (task, length, method)), None)
+
+
+def plot_pair_grid(rows: list[dict], path: Path) -> None:
+    """One heat map per task and length: attention policy × linear policy, coloured by PGR (the
+    score where PGR is undefined), each cell also giving the score."""
+    grids = _pair_grids(rows)
+    fig = Figure(figsize=(5.5 * len(grids), 4.2))
+    axes = fig.subplots(1, len(grids), squeeze=False)[0]
+    for ax, ((task, length), grid) in zip(axes, sorted(grids.items()), strict=True):
+        attention, linear = _axes_of(grid)
+        use_pgr = all(r.get("pgr") is not None for r in grid.values())
+        key = "pgr" if use_pgr else "score"
+        values = [[grid[(a, b)][key] if (a, b) in grid else float("nan") for b in linear] for a in attention]
+        image = ax.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        for i, a in enumerate(attention):
+            for j, b in enumerate(linear):
+                if (a, b) in grid:
+                    cell = grid[(a, b)]
+                    text = f"{cell[key]:.2f}" + (f"\n({cell['score']:.2f})" if use_pgr else "")
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7, color="w" if cell[key] < 0.6 else "k")
+        ax.set_xticks(range(len(linear)), linear, rotation=20, fontsize=7)
+        ax.set_yticks(range(len(attention)), attention, fontsize=7)
+        full, floor = _reference(rows, task, length, "full"), _reference(rows, task, length, "no-context")
+        anchors = ", ".join(f"{r['method']} {r['score']:.2f}" for r in (full, floor) if r)
+        ax.set_title(f"{task} @ {length}: {'PGR (score)' if use_pgr else 'score'}\n{anchors}", fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def pair_tables(rows: list[dict]) -> list[str]:
+    """Markdown: per task and length, attention policies down, linear policies across, each cell
+    'PGR [95% CI]' (or the score where PGR is undefined)."""
+    lines = []
+    for (task, length), grid in sorted(_pair_grids(rows).items()):
+        attention, linear = _axes_of(grid)
+        lines += [f"**{task} @ {length}** (PGR [95% CI]; score where PGR is undefined)", ""]
+        lines += ["| attention \\ linear | " + " | ".join(linear) + " |", "|---|" + "---|" * len(linear)]
+        for a in attention:
+            cells = []
+            for b in linear:
+                row = grid.get((a, b))
+                if row is None:
+                    cells.append("")
+                elif row.get("pgr") is None:
+                    cells.append(f"score {_fmt(row['score'])}")
+                else:
+                    cells.append(f"{row['pgr']:.2f} {_fmt(row.get('pgr_ci95'))}")
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 PLOTS = {
     "quality_vs_budget.png": plot_quality_vs_budget,
     "pgr.png": plot_pgr,
     "ttft_speedup.png": plot_speedup,
     "bytes.png": plot_bytes,
 }
+PAIR_PLOT = "pairs.png"  # only for runs with ATTENTION+LINEAR methods
 
 
 def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
@@ -142,7 +219,10 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
     rows = summary["rows"]
     # The plots average over tasks themselves; the pooled "overall" rows stay in the tables only.
     per_task = [row for row in rows if row["task"] != OVERALL]
-    for name, plot in PLOTS.items():
+    plots = dict(PLOTS)
+    if _pair_grids(per_task):
+        plots[PAIR_PLOT] = plot_pair_grid
+    for name, plot in plots.items():
         plot(per_task, out_dir / name)
     table_md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     table_md += ["| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
@@ -154,8 +234,9 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
         "bootstrap 95%; agreement_with_full is the share of full prefill's answer a method reproduces before its "
         "first difference; same_as_full the share of answers equal to full prefill's to the end.",
         "",
-        *(f"![{name}]({name})" for name in PLOTS),
+        *(f"![{name}]({name})" for name in plots),
         "",
+        *pair_tables(per_task),
         *table_md,
         "",
     ]
@@ -163,7 +244,7 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
     md_path.write_text("\n".join(md))
     images = "".join(
         f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode((out_dir / name).read_bytes()).decode()}">'
-        for name in PLOTS
+        for name in plots
     )
     cells = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_fmt(row.get(c)))}</td>" for c in COLUMNS) + "</tr>" for row in rows
