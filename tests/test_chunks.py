@@ -43,11 +43,17 @@ def test_each_layers_map_gives_its_end_state_from_any_start(models, name):
         # zero anyway: not at the seam of a chunk in the middle, so nothing more to check here
 
 
-@pytest.mark.parametrize("name", NAMES)
+# Random Qwen3-Next gates forget a start state within a few tokens and random Nemotron-H states are
+# ~1e-5 in size, so over those a composition that ignored the carried state would pass unseen; the
+# trained checkpoints carry state, as GLM, Kimi and OLMo do even at random.
+COMPOSED = ["random-glm5-next", "tiny-qwen3-next", "random-kimi-linear", "random-olmo-hybrid", "tiny-nemotron-h"]
+
+
+@pytest.mark.parametrize("name", COMPOSED)
 def test_composed_chunks_equal_the_first_linear_layer_over_their_concatenation(models, name):
     model = models[name]
     vocab = model.config.vocab_size
-    parts = [random_tokens(n, seed=20 + n, vocab=vocab) for n in (37, 29, 44)]
+    parts = [random_tokens(n, seed=20 + n, vocab=vocab) for n in (37, 11, 12)]
     whole = model.new_cache()
     model.forward(torch.cat(parts), whole, start=0)
     layer = model.description.linear_layers[0]
@@ -68,7 +74,12 @@ def test_composed_chunks_equal_the_first_linear_layer_over_their_concatenation(m
         states = {**chunk.end_states, layer: LinearState({**chunk.end_states[layer].tensors, **composed})}
         kv, position = PromptKV.cat([kv, chunk.kv]), position + len(chunk)
     for name_, tensor in truth.tensors.items():
-        torch.testing.assert_close(states[layer][name_], tensor, atol=2e-4, rtol=1e-4, msg=name_)
+        tolerance = 1e-4 * float(tensor.abs().max())  # float32 maps read off forwards, relative to the state
+        torch.testing.assert_close(states[layer][name_], tensor, atol=tolerance, rtol=1e-4, msg=name_)
+        if name_.startswith("recurrent"):
+            # the test can fail: what the earlier chunks carried into the last one far exceeds the tolerance
+            own = chunks[-1].end_states[layer][name_]
+            assert float((tensor - own).abs().max()) > 20 * tolerance, "the start state leaves no trace"
 
 
 @pytest.mark.parametrize("name", ["random-qwen3-next", "random-nemotron-h"])
