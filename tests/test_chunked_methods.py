@@ -147,3 +147,25 @@ def test_prophet_recomputes_what_the_question_attends_to(models, name):
     assert chosen.min() >= torch.topk(later, len(chosen)).values.min()
     outcome = execute_chunks(model, chunks, question, Prophet(), LINEAR["linearkv"])
     assert outcome.recomputed_tokens == 13 + 6 and outcome.selection_layer_tokens == 6 * model.description.num_layers
+
+
+@pytest.mark.parametrize("name", ["tiny-nemotron-h", "tiny-qwen3-next"])
+def test_prophets_relevance_lands_on_the_fact_the_question_asks_for(models, name):
+    """On trained models that answer `rag`, the context tokens the question attends to most lie in
+    the gold passage's fact sentence: relevance is read at the right tokens of the right chunks."""
+    from hybridkv.eval.workloads import rag
+    from hybridkv.models.tokenizer import load_tokenizer
+
+    model, tokenizer = models[name], load_tokenizer(name)
+    inside = []
+    for sample in rag.generate("rag", 2048, 3, tokenizer):
+        chunks = [encode_chunk(model, torch.tensor(tokenizer.encode(c)), with_maps=False) for c in sample.chunks]
+        scores = relevance(model, chunks, torch.tensor(tokenizer.encode(sample.question)))
+        gold = sample.meta["gold_chunk"]
+        text = sample.chunks[gold]
+        first = len(tokenizer.encode(text[: text.index("The registration number")]))  # byte tokens: exact
+        last = len(tokenizer.encode(text[: text.index(sample.golds[0]) + len(sample.golds[0])]))
+        offset = sum(len(chunk) for chunk in chunks[:gold])
+        top = torch.topk(torch.cat(scores), 10).indices.tolist()
+        inside.append(sum(offset + first <= t < offset + last for t in top))
+    assert min(inside) >= 4 and sum(inside) >= 15, inside
