@@ -86,6 +86,53 @@ def runs(indices: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+# A run of recomputed tokens that starts inside a chunk has no state of its own for the linear
+# layers: the state there is the chunk's (and the context's) up to that token, which nothing
+# stored holds. The executor replays the WARMUP tokens before such a run from the state it has
+# (the last run's, or the one carried into the chunk): the short convolutions' windows become
+# exact after K - 1 tokens, and gates that forget fast rebuild the rest (Tail-Replay's bet, per
+# run). Without it a token picked mid-chunk (ProphetKV's fact sentence) was recomputed from a
+# state that skipped everything between the runs and its KV came out worse than the stored one.
+WARMUP = 32
+
+
+def with_warmup(spans: list[tuple[int, int]], warmup: int) -> list[tuple[int, int]]:
+    """Each run that starts inside the chunk begins `warmup` tokens earlier (not before the chunk or
+    the run before it); runs that then touch are merged."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        start = max(start - warmup, out[-1][1] if out else 0) if start > 0 else 0
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def top_within_budget(scores: list[torch.Tensor], budget: int, skip_chunks: int = 0) -> list[list[int]]:
+    """For each chunk, the indices of the best-scored tokens (over all chunks after the first
+    `skip_chunks`, best first) that the executor can recompute in `budget` tokens, counting the
+    warm-up it puts before every run that starts inside a chunk. Tokens are taken best first; one
+    that would not fit is passed over (a cheaper one further down may). A score of -inf is never
+    picked."""
+    picks: list[list[int]] = [[] for _ in scores]
+    ranked = [(float(value), chunk, index) for chunk, score in enumerate(scores) if chunk >= skip_chunks
+              for index, value in enumerate(score.tolist()) if value != float("-inf")]  # fmt: skip
+    ranked.sort(key=lambda item: -item[0])
+
+    def cost(indices: list[int]) -> int:
+        return sum(end - start for start, end in with_warmup(runs(indices), WARMUP))
+
+    spent = 0
+    for _, chunk, index in ranked:
+        grown = cost([*picks[chunk], index]) - cost(picks[chunk])
+        if spent + grown > budget:
+            continue
+        picks[chunk].append(index)
+        spent += grown
+    return [sorted(chosen) for chosen in picks]
+
+
 def execute_chunks(
     model: HybridModel,
     chunks: list[EncodedChunk],
@@ -109,7 +156,7 @@ def execute_chunks(
     position = recomputed = 0
     for chunk, picked in zip(chunks, picks, strict=True):
         seam = linear.seam(chunk)
-        spans = runs([*picked, *range(seam)])
+        spans = with_warmup(runs([*picked, *range(seam)]), WARMUP)
         if spans:
             write_states(cache, carried)  # what the recomputed tokens' linear layers start from
         at_seam, cursor = None, 0

@@ -4,8 +4,9 @@ what the whole assembled context gives them, at an early layer.
 The whole context runs through the layers before the first attention layer (its linear layers
 from zero, so they see the real context) and stops there (`adapter.kv_at_first_attention`); each
 token's deviation is the squared distance between that layer's in-context KV and the chunk's
-stored KV moved to its new place. The top `ratio` of tokens (default 15%) are recomputed in
-place, seeing everything before them; the rest are used as stored, position-corrected. The early
+stored KV moved to its new place. The most deviating tokens are recomputed in place, as many as
+fit in `ratio` of the context (default 15%) counting the executor's warm-up before each run inside
+a chunk, seeing everything before them; the rest are used as stored, position-corrected. The early
 check costs (first attention layer + 1) layers for every context token, which the cost columns
 count.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache.chunks import EncodedChunk
+from hybridkv.methods.chunked.base import top_within_budget
 from hybridkv.models import HybridModel
 from hybridkv.models.adapter import kv_at_first_attention
 from hybridkv.models.rope import shift_kv
@@ -61,15 +63,8 @@ class CacheBlend:
     corrects_positions: bool = True
 
     def recompute(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> list[list[int]]:
-        per_chunk = deviations(model, chunks)
-        scores = torch.cat(per_chunk)
-        top = torch.topk(scores, math.ceil(self.ratio * scores.numel()))
-        chosen = set(top.indices[top.values > NOTHING_TO_REPAIR].tolist())
-        picks, offset = [], 0
-        for deviation in per_chunk:
-            picks.append([i for i in range(deviation.numel()) if offset + i in chosen])
-            offset += deviation.numel()
-        return picks
+        per_chunk = [torch.where(d > NOTHING_TO_REPAIR, d, float("-inf")) for d in deviations(model, chunks)]
+        return top_within_budget(per_chunk, math.ceil(self.ratio * sum(len(chunk) for chunk in chunks)))
 
     def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         return sum(len(chunk) for chunk in chunks) * (model.description.attention_layers[0] + 1)

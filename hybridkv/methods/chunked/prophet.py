@@ -6,8 +6,11 @@ question runs once over the chunks' stored KV, moved to their new places, with e
 started from the last chunk's state; every context token's relevance is the attention the
 question's tokens pay it, summed over heads and question tokens and averaged over attention
 layers (each layer's weights sum to one per query, so layers weigh alike). The most relevant
-`ratio` of the tokens after the leading chunk (default 20%, ProphetKV's budget) are recomputed in
-place; the leading chunk sits where it was encoded and is exact as stored. This is the selection
+tokens after the leading chunk are recomputed in place, as many as fit in `ratio` of them (default
+20%, ProphetKV's budget) counting the executor's warm-up before each run inside a chunk (the fact
+sentence a question asks about lies mid-passage: recomputed from a state that skipped the tokens
+before it, it came out worse than stored); the leading chunk sits where it was encoded and is exact
+as stored. This is the selection
 stage of ProphetKV; its second, layer-wise refinement is not reproduced.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache.chunks import EncodedChunk
+from hybridkv.methods.chunked.base import top_within_budget
 from hybridkv.models import HybridModel
 from hybridkv.models.adapter import write_kv, write_states
 from hybridkv.models.kv import PromptKV
@@ -51,13 +55,8 @@ class Prophet:
         if len(chunks) < 2:
             return [[] for _ in chunks]
         scores = relevance(model, chunks, question)
-        later = torch.cat(scores[1:])
-        chosen = set(torch.topk(later, math.ceil(self.ratio * later.numel())).indices.tolist())
-        picks, offset = [[]], 0
-        for score in scores[1:]:
-            picks.append([i for i in range(score.numel()) if offset + i in chosen])
-            offset += score.numel()
-        return picks
+        budget = math.ceil(self.ratio * sum(len(chunk) for chunk in chunks[1:]))
+        return top_within_budget(scores, budget, skip_chunks=1)
 
     def selection_layer_tokens(self, model: HybridModel, chunks: list[EncodedChunk], question: torch.Tensor) -> int:
         return question.numel() * model.description.num_layers if len(chunks) > 1 else 0
