@@ -254,7 +254,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--tasks",
         default="",
         help="comma list of training tasks, NAME or NAME:WEIGHT (a bare name keeps its default weight; "
-        "documents, the rag/agent-reports shape, is drawn only when named with a weight) (default: the whole mix)",
+        "documents, the rag/agent-reports shape, is drawn only when named with a weight; empty: the whole mix)",
     )
     train.add_argument(
         "--init", type=Path, default=None,
