@@ -406,8 +406,9 @@ ATTRIBUTES = (
 
 
 def documents(rng: random.Random, length: int) -> Example | None:
-    """Separately written documents of 150-700 tokens, every one stating the same kind of fact
-    about its own title, then a question about one or two of them: the shape of the arena's `rag`
+    """2 to 16 separately written documents (at most one per 200 tokens, of unequal lengths that
+    fill the example), every one stating the same kind of fact about its own title, then a question
+    about one or two of them: the shape of the arena's `rag`
     and `agent-reports` workloads (their phrasing, this module's titles, values and prose). With a
     fact of the same kind in every document, the answer needs the title matched, not the first
     number found; a two-title question needs facts from two documents."""
@@ -540,7 +541,9 @@ def natural(rng: random.Random, length: int) -> Example:
     return Example(tokens, (), "natural")
 
 
-TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] = {
+Generator = Callable[[random.Random, int], Example | None]
+
+TASKS: dict[str, tuple[float, Generator]] = {
     "niah": (0.25, niah),
     "recall": (0.3, recall),
     "copy": (0.15, copy),
@@ -553,9 +556,6 @@ TASKS: dict[str, tuple[float, Callable[[random.Random, int], Example | None]]] =
     # name it with a weight, e.g. `--tasks documents:0.35,niah:0.25,...`.
     "documents": (0.0, documents),
 }
-
-
-Generator = Callable[[random.Random, int], Example | None]
 
 
 def task_table(specs: tuple[str, ...]) -> dict[str, tuple[float, Generator]] | None:

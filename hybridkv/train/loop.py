@@ -280,6 +280,7 @@ def _git_commit() -> str | None:
 def train(config: TrainConfig) -> Path:
     if config.model not in TRAINABLE:
         raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
+    task_table = data.task_table(config.tasks)  # a bad --tasks is refused before the run directory is touched
     if config.threads:
         torch.set_num_threads(config.threads)
     run_dir = config.run_dir
@@ -314,7 +315,6 @@ def train(config: TrainConfig) -> Path:
     with (run_dir / "stretches.jsonl").open("a") as stretches:
         record = {"from_step": start, "commit": _git_commit(), "config": asdict(config)}
         stretches.write(json.dumps(record, default=str) + "\n")
-    task_table = data.task_table(config.tasks)
     recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")

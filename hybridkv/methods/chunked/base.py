@@ -119,15 +119,17 @@ def top_within_budget(scores: list[torch.Tensor], budget: int, skip_chunks: int 
     ranked = [(float(value), chunk, index) for chunk, score in enumerate(scores) if chunk >= skip_chunks
               for index, value in enumerate(score.tolist()) if value != float("-inf")]  # fmt: skip
     ranked.sort(key=lambda item: -item[0])
-
-    def cost(indices: list[int]) -> int:
-        return sum(end - start for start, end in with_warmup(runs(indices), WARMUP))
-
+    # What `with_warmup` recomputes is the union of [index - WARMUP, index] over the picks, so a
+    # token's cost is the part of its own window not yet covered.
+    covered = [[False] * score.numel() for score in scores]
     spent = 0
     for _, chunk, index in ranked:
-        grown = cost([*picks[chunk], index]) - cost(picks[chunk])
+        window = range(max(index - WARMUP, 0), index + 1)
+        grown = sum(not covered[chunk][i] for i in window)
         if spent + grown > budget:
             continue
+        for i in window:
+            covered[chunk][i] = True
         picks[chunk].append(index)
         spent += grown
     return [sorted(chosen) for chosen in picks]

@@ -10,8 +10,8 @@ tokens after the leading chunk are recomputed in place, as many as fit in `ratio
 20%, ProphetKV's budget) counting the executor's warm-up before each run inside a chunk (the fact
 sentence a question asks about lies mid-passage: recomputed from a state that skipped the tokens
 before it, it came out worse than stored); the leading chunk sits where it was encoded and is exact
-as stored. This is the selection
-stage of ProphetKV; its second, layer-wise refinement is not reproduced.
+as stored. This is the selection stage of ProphetKV; its second, layer-wise refinement is not
+reproduced.
 """
 
 from __future__ import annotations
