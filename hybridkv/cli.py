@@ -261,10 +261,27 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start a fresh run from these weights (a model directory, e.g. hybridkv/models/weights/tiny-glm5-next)",
     )  # fmt: skip
     train.add_argument(
+        "--shape", default="",
+        help="JSON object of config fields replacing the model shape's own, e.g. "
+        "'{\"num_attention_heads\": 8, \"kv_lora_rank\": 128}' (the exported config.json keeps them)",
+    )  # fmt: skip
+    train.add_argument(
         "--export", action="store_true",
         help="do not train: copy RUN_DIR's checkpoint weights into the package as the built-in MODEL",
     )  # fmt: skip
     return parser
+
+
+def _shape(text: str) -> dict:
+    import json
+
+    try:
+        shape = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise HybridKVError(f"--shape is not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(shape, dict):
+        raise HybridKVError(f"--shape must be a JSON object of config fields, not {text!r}")
+    return shape
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -277,7 +294,7 @@ def _train(args: argparse.Namespace) -> None:
         model=args.model, run_dir=args.run_dir, seed=args.seed, schedule=parse_schedule(args.schedule),
         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_every=args.eval_every, save_every=args.save_every,
         threads=args.threads, stop_at=args.stop_at, tasks=tuple(t for t in args.tasks.split(",") if t),
-        init=args.init,
+        init=args.init, shape=_shape(args.shape),
     )  # fmt: skip
     checkpoint = train(config)
     print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")

@@ -260,6 +260,21 @@ def test_a_fresh_run_can_start_from_shipped_weights(tmp_path):
         train(dataclasses.replace(run, run_dir=tmp_path / "other", init=tmp_path / "missing"))
 
 
+def test_a_shape_override_trains_exports_and_loads_as_that_shape(tmp_path):
+    """--shape replaces config fields of the trained shape; the exported model loads with them (a
+    wider MLA placed between the KDA layers here), and a field the config lacks is refused before
+    the run directory is written."""
+    shape = {"kv_lora_rank": 96, "layer_types": ["linear_attention", "indexed_attention"] * 2}
+    run = dataclasses.replace(_tiny_run(tmp_path / "run"), schedule=((512, 1),), shape=shape)
+    train(run)
+    model = load_model(str(export(tmp_path / "run", "tiny-test", root=tmp_path / "weights")))
+    assert model.config.kv_lora_rank == 96 and model.config.layer_types == shape["layer_types"]
+    assert model.description.linear_layers == [0, 2] and model.description.attention_layers == [1, 3]
+    with pytest.raises(HybridKVError, match="no config field kv_lora_rnk"):
+        train(dataclasses.replace(run, run_dir=tmp_path / "bad", shape={"kv_lora_rnk": 96}))
+    assert not (tmp_path / "bad").exists()
+
+
 def load_weights_file(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -31,7 +31,7 @@ from hybridkv.models.loader import read_with_head, write_with_head
 from hybridkv.train import data
 from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
-from hybridkv.train.shapes import TRAINABLE, build
+from hybridkv.train.shapes import TRAINABLE, build, shape_config
 
 DEFAULT_SCHEDULE = ((512, 400), (1024, 120), (2048, 100), (4096, 60), (8192, 25))
 
@@ -61,6 +61,9 @@ class TrainConfig:
     # A fresh run starts from these weights (a model directory: a shipped tiny-* or an exported run)
     # instead of the library's initialisation; checkpoints of earlier sessions do not outlive them.
     init: Path | None = None
+    # Config fields that replace the shape's own (`--shape '{"kv_lora_rank": 128}'`); the exported
+    # config.json carries them, so the model loads as trained.
+    shape: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -280,14 +283,16 @@ def _git_commit() -> str | None:
 def train(config: TrainConfig) -> Path:
     if config.model not in TRAINABLE:
         raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
-    task_table = data.task_table(config.tasks)  # a bad --tasks is refused before the run directory is touched
+    # A bad --tasks or --shape is refused before the run directory is touched.
+    task_table = data.task_table(config.tasks)
+    shape_config(config.model, config.shape)
     if config.threads:
         torch.set_num_threads(config.threads)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train_config.json").write_text(json.dumps(asdict(config), default=str, indent=1))
     torch.manual_seed(config.seed)
-    model_config, backbone, lm_head = build(config.model)
+    model_config, backbone, lm_head = build(config.model, config.shape)
     model = Model(backbone, lm_head)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]

@@ -16,6 +16,7 @@ from functools import partial
 from torch import nn
 from transformers import PreTrainedConfig
 
+from hybridkv.errors import HybridKVError
 from hybridkv.models.arch import ARCHITECTURES
 
 TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {
@@ -23,9 +24,21 @@ TRAINABLE: dict[str, Callable[[], PreTrainedConfig]] = {
 }
 
 
-def build(name: str) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
+def shape_config(name: str, overrides: dict | None = None) -> PreTrainedConfig:
+    """The shape's transformers config; `overrides` replace its fields (e.g. a wider attention
+    layer), refused when the config has no such field (a misspelt name would train the default)."""
+    config = TRAINABLE[name]()
+    unknown = sorted(set(overrides or {}) - set(config.to_dict()))
+    if unknown:
+        raise HybridKVError(f"--shape: {name} has no config field {', '.join(unknown)}")
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def build(name: str, overrides: dict | None = None) -> tuple[PreTrainedConfig, nn.Module, nn.Module]:
     """(config, backbone, lm_head) initialised by the library under the current torch seed."""
     from hybridkv.models.loader import model_from_config
 
-    config = TRAINABLE[name]()
+    config = shape_config(name, overrides)
     return config, *model_from_config(config)
