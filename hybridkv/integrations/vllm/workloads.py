@@ -1,0 +1,109 @@
+"""What a server sees, as token-id prompts: sessions of requests that go in order.
+
+A session is what one client sends in order (a conversation's turns, or a single request); the
+bench's clients each take the next waiting session. Prompts are seeded random token ids: the bench
+models have random weights, so text would mean nothing to them, and ids leave the prefix/suffix
+seam exactly where the workload puts it (text re-tokenised by a server may not).
+
+- `shared-system`: a few long system prompts (shared prefixes), each followed by user turns of
+  varied length, every request its own session: matches end wherever the system prompt ends,
+  almost never on vLLM's block grid.
+- `multi-turn`: conversations whose every turn is the previous prompt plus a fixed assistant reply
+  and a new user message (replies are written here, not generated, so every configuration sees the
+  same prompts); a session is one conversation.
+- `rag-mix`: an instruction header and retrieved passages, then a question; 70% of requests reuse
+  a passage set seen before (a hit on header + passages), 30% bring a new one (a miss).
+- `grid-aligned`: a shared prefix of exactly k blocks, then the user's turn: every match ends on
+  the grid, where vLLM's own cache loses nothing. The guard against a connector slower than vLLM
+  where vLLM is at its best.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridkv.errors import HybridKVError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes every workload draws from: prefix lengths log-uniform in [min_prefix, max_prefix]."""
+
+    min_prefix: int = 1024
+    max_prefix: int = 16384
+    requests: int = 24
+    block_size: int = 2176  # vLLM's block (the bench sets the one the server chose; grid-aligned uses it)
+    vocab: int = 500
+
+
+Sessions = list[list[list[int]]]
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _prefix_length(rng: random.Random, shape: Shape) -> int:
+    return round(math.exp(rng.uniform(math.log(shape.min_prefix), math.log(shape.max_prefix))))
+
+
+def shared_system(rng: random.Random, shape: Shape) -> Sessions:
+    systems = [_tokens(rng, _prefix_length(rng, shape), shape.vocab) for _ in range(max(1, shape.requests // 6))]
+    return [
+        [systems[i % len(systems)] + _tokens(rng, rng.randint(32, 512), shape.vocab)] for i in range(shape.requests)
+    ]
+
+
+def multi_turn(rng: random.Random, shape: Shape, turns: int = 4) -> Sessions:
+    sessions = []
+    for _ in range(max(1, shape.requests // turns)):
+        prompt = _tokens(rng, _prefix_length(rng, shape) // 2, shape.vocab)  # room for the turns to grow
+        conversation = [prompt]
+        for _ in range(turns - 1):
+            reply = _tokens(rng, rng.randint(64, 256), shape.vocab)  # the assistant's, fixed here
+            prompt = prompt + reply + _tokens(rng, rng.randint(32, 256), shape.vocab)
+            conversation.append(prompt)
+        sessions.append(conversation)
+    return sessions
+
+
+def rag_mix(rng: random.Random, shape: Shape, miss_rate: float = 0.3) -> Sessions:
+    header = _tokens(rng, 128, shape.vocab)
+    seen: list[list[int]] = []
+    sessions = []
+    for _ in range(shape.requests):
+        if not seen or rng.random() < miss_rate:
+            seen.append(header + _tokens(rng, _prefix_length(rng, shape) - len(header), shape.vocab))
+            passages = seen[-1]
+        else:
+            passages = rng.choice(seen)
+        sessions.append([passages + _tokens(rng, rng.randint(16, 64), shape.vocab)])
+    return sessions
+
+
+def grid_aligned(rng: random.Random, shape: Shape) -> Sessions:
+    blocks = range(max(1, shape.min_prefix // shape.block_size), max(1, shape.max_prefix // shape.block_size) + 1)
+    count = max(1, shape.requests // 6)
+    prefixes = [_tokens(rng, rng.choice(blocks) * shape.block_size, shape.vocab) for _ in range(count)]
+    return [
+        [prefixes[i % len(prefixes)] + _tokens(rng, rng.randint(32, 512), shape.vocab)] for i in range(shape.requests)
+    ]
+
+
+SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape], Sessions]] = {
+    "shared-system": shared_system,
+    "multi-turn": multi_turn,
+    "rag-mix": rag_mix,
+    "grid-aligned": grid_aligned,
+}
+
+
+def make_sessions(name: str, shape: Shape, seed: int, clients: int) -> Sessions:
+    """A workload's sessions, the same for every configuration (and new for every client count, so
+    one run cannot warm the next)."""
+    if name not in SERVER_WORKLOADS:
+        raise HybridKVError(f"unknown server workload {name!r}: one of {', '.join(SERVER_WORKLOADS)}")
+    return SERVER_WORKLOADS[name](random.Random(f"hybridkv-serve|{name}|{seed}|{clients}"), shape)

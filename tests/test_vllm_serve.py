@@ -1,0 +1,49 @@
+"""`hybridkv vllm-bench` through real `vllm serve` processes (vLLM's OpenAI server, CPU build) on
+the production-shaped bench model, whose state pages make vLLM choose a block of over 2,048 tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from hybridkv.integrations.vllm.bench import SUMMARY_FIELDS, BenchPlan, run_bench  # noqa: E402
+from hybridkv.integrations.vllm.models import BENCH_MODELS, gdn_grid_block, write_servable  # noqa: E402
+from hybridkv.integrations.vllm.serve import Server, ServerSpec  # noqa: E402
+from hybridkv.integrations.vllm.workloads import Shape  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory):
+    return write_servable(tmp_path_factory.mktemp("serve") / "grid-2048", "grid-2048")
+
+
+def test_vllm_derives_the_production_grid_from_state_and_kv_bytes(production, tmp_path):
+    with Server(ServerSpec(str(production), "no-cache", 4096), tmp_path / "server.log") as server:
+        block = server.block_size()
+    assert block == gdn_grid_block(BENCH_MODELS["grid-2048"].config())
+    assert block >= 2048
+
+
+def test_the_bench_through_vllm_serve_reuses_prefixes_shorter_than_vllms_block(production, tmp_path):
+    """Every shared prefix here is shorter than one 2,176-token block, so vLLM's own cache reuses
+    nothing (vLLM issue #40696) and hybridkv reuses each conversation's earlier turns."""
+    shape = Shape(min_prefix=600, max_prefix=1800, requests=4)
+    plan = BenchPlan(str(production), ["shared-system", "multi-turn"], [1, 2], ["0.05"], shape)
+    summary = run_bench(plan, tmp_path / "bench", show_progress=False)
+    rows = summary["rows"]
+    assert len(rows) == 2 * 2 * 3 and all(set(SUMMARY_FIELDS) <= set(r) for r in rows)
+    assert {r["block_size"] for r in rows} == {gdn_grid_block(BENCH_MODELS["grid-2048"].config())}
+    assert all(r["requests"] == 4 for r in rows)
+    by = {(r["workload"], r["config"], r["clients"]): r for r in rows}
+    for clients in (1, 2):
+        assert by[("multi-turn", "vllm-prefix-cache", clients)]["reused_tokens_per_request"] == 0
+        # Turns 2-4 of each conversation extend a stored prompt: at least 3 of 4 requests reuse.
+        assert by[("multi-turn", "hybridkv", clients)]["reused_tokens_per_request"] > 100
+        assert by[("shared-system", "no-cache", clients)]["kl_mean"] == 0.0
+    written = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert written["rows"] == json.loads(json.dumps(rows))
+    assert (tmp_path / "bench" / "ttft-multi-turn.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## shared-system" in (tmp_path / "bench" / "report.md").read_text()
