@@ -1,5 +1,5 @@
 """The vLLM connector's bytes without vLLM: block entries, token-level matching, replay starts,
-checkpoints, corrupt entries and staging."""
+checkpoints, corrupt entries and tenants' namespaces."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from hybridkv.integrations.vllm.block_store import BlockStore, read_staged, write_staged
+from hybridkv.integrations.vllm.block_store import BlockStore
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
-from hybridkv.store.codec import CorruptEntry
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
 
@@ -87,23 +86,21 @@ def test_corrupt_or_foreign_entries_shorten_the_match_and_are_removed(blocks):
     assert other.match(prompt + [1], LAYOUT).length == 0
 
 
-def test_staged_pages_round_trip_and_damage_is_an_error(blocks, tmp_path):
+def test_a_requests_cache_salt_is_its_own_namespace(blocks):
+    """vLLM's per-request cache_salt: a tenant reads its own pages, never another's or the unsalted ones."""
     prompt = list(range(3, 40))
+    blocks.save_blocks(prompt, 0, pages_for(prompt), salt="tenant-a")
+    assert blocks.match(prompt + [1], LAYOUT, salt="tenant-a").length == len(prompt)
+    assert blocks.match(prompt + [1], LAYOUT, salt="tenant-b").length == 0
+    assert blocks.match(prompt + [1], LAYOUT).length == 0
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
-    blocks.save_state(prompt, len(prompt), state)
-    blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
-    resume = blocks.resume(prompt + [9], LAYOUT, STATES, Budget(fraction=0.1))
-    path = tmp_path / "r.hkvs"
-    write_staged(path, resume)
-    start, staged_blocks, states = read_staged(path)
-    assert start == resume.start == len(prompt)
-    assert all(torch.equal(a[n], b[n]) for a, b in zip(staged_blocks, resume.blocks, strict=True) for n in LAYOUT)
-    assert torch.equal(states["gdn.0"], state["gdn.0"])
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(CorruptEntry):
-        read_staged(path)
+    assert blocks.save_state(prompt, len(prompt), state, salt="tenant-a")
+    assert blocks.state_key(prompt, len(prompt), "tenant-a") != blocks.state_key(prompt, len(prompt), "tenant-b")
+    # An engine salt and a request salt cannot be confused for another split of the same text.
+    one, two = BlockStore(blocks.store, "ab" * 32, BLOCK, "x"), BlockStore(blocks.store, "ab" * 32, BLOCK, "")
+    assert one.block_keys(prompt, "y") != two.block_keys(prompt, "xy") and one.block_keys(prompt) != two.block_keys(
+        prompt
+    )
 
 
 def test_first_token_fidelity_from_top_k_logprobs():

@@ -35,6 +35,7 @@ def connector_config(store: str, **extra) -> dict:
         "kv_connector": "HybridKVConnector",
         "kv_connector_module_path": "hybridkv.integrations.vllm.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": store, **extra},
     }
 

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from hybridkv.integrations.vllm.bench import SUMMARY_FIELDS, BenchPlan, run_bench  # noqa: E402
 from hybridkv.integrations.vllm.models import BENCH_MODELS, gdn_grid_block, write_servable  # noqa: E402
-from hybridkv.integrations.vllm.serve import Server, ServerSpec  # noqa: E402
+from hybridkv.integrations.vllm.serve import Server, ServerSpec, complete  # noqa: E402
 from hybridkv.integrations.vllm.workloads import Shape  # noqa: E402
 
 
@@ -47,3 +47,28 @@ def test_the_bench_through_vllm_serve_reuses_prefixes_shorter_than_vllms_block(p
     assert written["rows"] == json.loads(json.dumps(rows))
     assert (tmp_path / "bench" / "ttft-multi-turn.png").read_bytes()[:4] == b"\x89PNG"
     assert "## shared-system" in (tmp_path / "bench" / "report.md").read_text()
+
+
+def test_two_tenants_never_share_a_page_through_the_server(production, tmp_path):
+    """vLLM's per-request cache_salt is part of every key: tenant b misses tenant a's prompt, tenant a
+    (and only tenant a) hits it."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(900)]
+    spec = ServerSpec(str(production), "hybridkv", 4096, f"file://{tmp_path / 'store'}")
+
+    async def send(server, tokens, salt):
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await complete(client, server.url, spec.model, tokens, 5, salt)
+
+    with Server(spec, tmp_path / "server.log") as server:
+        asyncio.run(send(server, prompt, "tenant-a"))
+        other = asyncio.run(send(server, prompt + [7, 8, 9], "tenant-b"))
+        unsalted = asyncio.run(send(server, prompt + [7, 8, 9], None))
+        same = asyncio.run(send(server, prompt + [7, 8, 9], "tenant-a"))
+    assert other.hybridkv["matched"] == 0 and unsalted.hybridkv["matched"] == 0
+    assert same.hybridkv == {"matched": 900, "reused": 900, "exact_state": True}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +24,9 @@ import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, state_key
 from hybridkv.cache.prefix_index import common_length
-from hybridkv.errors import CorruptEntry
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
-from hybridkv.store.codec import Entry, decode, encode
+from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
 Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
@@ -55,25 +53,38 @@ class Resume:
 
 
 class BlockStore:
+    """Blocks and states of one engine (`fingerprint`), in the namespace of the engine's `salt`;
+    a request's own salt (vLLM's per-request `cache_salt`, one per tenant) opens a namespace inside
+    it, so two tenants never read each other's pages."""
+
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.block_size = block_size
-        self.keys = PrefixKeys(fingerprint, salt, block_size)
+        self.salt = salt
+        self._namespaces: dict[str | None, PrefixKeys] = {}
 
-    def block_keys(self, tokens: list[int]) -> list[str]:
-        chain = self.keys.chain(tokens)
+    def keys(self, request_salt: str | None = None) -> PrefixKeys:
+        if request_salt not in self._namespaces:
+            salt = self.salt if request_salt is None else json.dumps([self.salt, request_salt])
+            self._namespaces[request_salt] = PrefixKeys(self.fingerprint, salt, self.block_size)
+        return self._namespaces[request_salt]
+
+    def block_keys(self, tokens: list[int], request_salt: str | None = None) -> list[str]:
+        chain = self.keys(request_salt).chain(tokens)
         return [kv_chunk_key(chain[i], tokens[start]) for i, start in enumerate(range(0, len(tokens), self.block_size))]
 
-    def state_key(self, tokens: list[int], position: int) -> str:
-        return state_key(self.keys.prefix(tokens, position))
+    def state_key(self, tokens: list[int], position: int, request_salt: str | None = None) -> str:
+        return state_key(self.keys(request_salt).prefix(tokens, position))
 
     # -- writing -----------------------------------------------------------------------------
 
-    def save_blocks(self, tokens: list[int], first: int, pages: list[Pages], state_at: int | None = None) -> int:
+    def save_blocks(
+        self, tokens: list[int], first: int, pages: list[Pages], state_at: int | None = None, salt: str | None = None
+    ) -> int:
         """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
         stored at that position (inside the last block). Returns how many writes succeeded."""
-        keys = self.block_keys(tokens)
+        keys = self.block_keys(tokens, salt)
         written = 0
         for index, block in enumerate(pages, start=first):
             start = index * self.block_size
@@ -84,8 +95,8 @@ class BlockStore:
             written += self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block)))
         return written
 
-    def save_state(self, tokens: list[int], position: int, pages: Pages) -> bool:
-        key = self.state_key(tokens, position)
+    def save_state(self, tokens: list[int], position: int, pages: Pages, salt: str | None = None) -> bool:
+        key = self.state_key(tokens, position, salt)
         return self.store.put(key, encode(Entry("vllm-state", self.fingerprint, key, {"position": position}, pages)))
 
     # -- reading -----------------------------------------------------------------------------
@@ -93,13 +104,13 @@ class BlockStore:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def match(self, tokens: list[int], layout: dict[str, int]) -> BlockMatch:
+    def match(self, tokens: list[int], layout: dict[str, int], salt: str | None = None) -> BlockMatch:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
         `layout` maps each attention layer to its block's byte size; entries that disagree are corrupt."""
         limit = len(tokens) - 1
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
         found = BlockMatch()
-        for index, key in enumerate(self.block_keys(tokens[:limit])):
+        for index, key in enumerate(self.block_keys(tokens[:limit], salt)):
             entry = self._read(key, "vllm-kv")
             if entry is None:
                 break
@@ -120,20 +131,23 @@ class BlockStore:
                 break
         return found
 
-    def resume(self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget) -> Resume:
+    def resume(
+        self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget,
+        salt: str | None = None,
+    ) -> Resume:  # fmt: skip
         """Everything needed to resume `tokens`: the match, the start, the pages to load."""
-        found = self.match(tokens, layout)
+        found = self.match(tokens, layout, salt)
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
         recipe = SeededReplay().recipe(StoredMatch(found.length, tuple(found.checkpoints)), budget)
         start, states = recipe.state_position, None
         if recipe.state_seed:
-            entry = self._read(self.state_key(tokens, start), "vllm-state")
+            entry = self._read(self.state_key(tokens, start, salt), "vllm-state")
             if entry is not None and dict(_sizes(entry.tensors)) == state_layout:
                 states = entry.tensors
             else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
                 if entry is not None:
-                    self.store.corrupt(self.state_key(tokens, start), "state does not match this engine's layout")
+                    self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
                 start = SeededReplay().recipe(StoredMatch(found.length), budget).state_position
         blocks = found.blocks[: -(-start // self.block_size)] if start else []
         return Resume(found.length, start, blocks, states)
@@ -141,45 +155,6 @@ class BlockStore:
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:
     return [(name, int(page.numel() * page.element_size())) for name, page in pages.items()]
-
-
-# -- staging: the scheduler hands verified pages to the worker through a local file -------------
-#
-# vLLM 0.32 cannot recover from a failed synchronous load on a model with several KV-cache groups
-# (the scheduler raises), so the connector claims tokens only once their bytes are safely local:
-# the scheduler reads and verifies them from the store, writes them here, and the worker reads
-# them back just before the forward pass.
-
-_STAGE = b"HKVS"
-
-
-def write_staged(path: Path, resume: Resume) -> None:
-    blocks = [encode(Entry("staged-block", "", str(i), {}, pages)) for i, pages in enumerate(resume.blocks)]
-    states = encode(Entry("staged-states", "", "states", {}, resume.states)) if resume.states is not None else b""
-    header = json.dumps({"start": resume.start, "blocks": [len(b) for b in blocks], "states": len(states)}).encode()
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join([_STAGE, struct.pack("<I", len(header)), header, *blocks, states]))
-    tmp.replace(path)
-
-
-def read_staged(path: Path) -> tuple[int, list[Pages], Pages | None]:
-    """(start, block pages, states or None) from a staged file; raises CorruptEntry if unreadable."""
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise CorruptEntry(f"staged pages unreadable ({err})") from err
-    if data[:4] != _STAGE:
-        raise CorruptEntry("not a staged-pages file")
-    (length,) = struct.unpack_from("<I", data, 4)
-    header = json.loads(data[8 : 8 + length])
-    offset, blocks = 8 + length, []
-    for index, size in enumerate(header["blocks"]):
-        blocks.append(decode(data[offset : offset + size], key=str(index), fingerprint="").tensors)
-        offset += size
-    states = None
-    if header["states"]:
-        states = decode(data[offset : offset + header["states"]], key="states", fingerprint="").tensors
-    return header["start"], blocks, states
 
 
 def engine_fingerprint(model: str, layout: list[tuple[str, int, int, list[str]]], dtype: str) -> str:

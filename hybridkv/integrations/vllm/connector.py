@@ -2,32 +2,43 @@
 
     vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "HybridKVConnector",
         "kv_connector_module_path": "hybridkv.integrations.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0", "replay_budget": 0.05}}'
 
-Scheduler side: for a new request, find the longest stored prefix L (token-level), pick the replay
-start s (an exact stored checkpoint within the budget, else L − t), read and verify the pages of
-[0, s) and stage them locally, and report s tokens as computed. Worker side: before the forward
-pass, copy the staged attention blocks into the request's blocks and write every linear layer's
-state slot — the exact checkpoint, or zeros — so vLLM's own prefill of [s, end) is the tail
-replay. When a prompt's prefill completes, its new attention blocks and its final linear states
-(an exact checkpoint at the prompt's end) are written to the store.
+Scheduler side: for a new request, a background thread finds the longest stored prefix L
+(token-level), picks the replay start s (an exact stored checkpoint within the budget, else
+L − t), and reads and verifies the pages of [0, s); the scheduler meanwhile serves other requests
+(`get_num_new_matched_tokens` answers "not yet"), then reports s tokens as loaded asynchronously.
+Worker side: the verified pages travel in the step's metadata; after that step's forward pass the
+worker copies them into the request's attention blocks and writes every linear layer's state
+slot — the exact checkpoint, or zeros — and reports the load finished (`get_finished`), so vLLM's
+own prefill of [s, end) is the tail replay. When a prompt's prefill completes, its new attention
+blocks and its final linear states (an exact checkpoint at the prompt's end) are copied out in
+that step and written to the store by a background thread, off the request's path.
 
 Extra config: `store` (a hybridkv store URL, default a file store under the temp dir — shared by
 the engine's processes), `replay_budget` (fraction of the match, or "256tok"; default 0.05),
-`cache_salt` (tenant namespace), `save_states` (default true), `stage_dir`. A request may set its own
-budget: `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each finished
-request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in `RequestOutput.kv_transfer_params`.
+`cache_salt` (the engine's namespace), `save_states` (default true). vLLM's per-request
+`cache_salt` opens a namespace inside it: two tenants never share a page. A request may set its
+own budget: `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each
+finished request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in
+`RequestOutput.kv_transfer_params`.
 
 Needs `enable_prefix_caching=False`: with vLLM's own hybrid prefix cache on, the state slot the
-connector writes would be hashed as vLLM's exact state at s.
+connector writes would be hashed as vLLM's exact state at s. Set `"kv_load_failure_policy":
+"recompute"` in the kv-transfer config: a load that fails in the worker (its pages were verified
+before, so only a layout mismatch can) then recomputes the request instead of failing it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
-import uuid
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,17 +47,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.block_store import (
-    BlockStore,
-    engine_fingerprint,
-    read_staged,
-    write_staged,
-)
+from hybridkv.integrations.vllm.block_store import BlockStore, Pages, Resume, engine_fingerprint
 from hybridkv.methods import Budget
 from hybridkv.store import open_store
 from hybridkv.store.guarded import GuardedStore
@@ -60,7 +67,8 @@ _WHOLE_BLOCK_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 @dataclass
 class LoadOp:
     req_id: str
-    staged: str  # path of the staged pages
+    blocks: list[Pages]  # verified pages of the blocks covering [0, start), in order
+    states: Pages | None  # the exact linear states at start, or None: zero them
     attention_blocks: dict[int, list[int]]  # attention group -> its block ids covering [0, start)
     state_slots: dict[int, int]  # mamba group -> the request's state slot
 
@@ -71,6 +79,7 @@ class SaveOp:
     first_block: int  # blocks before it were loaded from the store: not written again
     attention_blocks: dict[int, list[int]]  # attention group -> the prompt's block ids
     state_slots: dict[int, int]
+    salt: str | None = None  # the request's cache_salt
 
 
 @dataclass
@@ -80,12 +89,11 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class _Hit:  # scheduler-side record of a request's lookup; its pages wait in `staged`
+class _Hit:  # scheduler-side record of a request's lookup, with its verified pages until loaded
     matched: int
     start: int
     exact_state: bool = False
-    blocks: int = 0
-    staged: str | None = None
+    resume: Resume | None = None
 
 
 @dataclass
@@ -93,7 +101,54 @@ class _Tracked:  # scheduler-side view of a running request, until its prefill i
     tokens: list[int]
     block_ids: list[list[int]]
     first_block: int
+    salt: str | None
     saved: bool = False
+
+
+class _Writer:
+    """Writes saved prompts to the store on one background thread, in the order they were queued.
+
+    Every writer of the process is registered, so a lookup in the same process (the scheduler of a
+    single-process engine) first waits for the writes queued before it: a conversation's next turn
+    finds its last turn stored. Across processes the store is eventually consistent."""
+
+    registry: list[_Writer] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-writer", daemon=True)
+        self._thread.start()
+        with self._lock:
+            _Writer.registry.append(self)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # a cache that cannot be written costs reuse later, never a request
+                log.exception("hybridkv: a background save failed")
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        self._jobs.join()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        with self._lock:
+            if self in _Writer.registry:
+                _Writer.registry.remove(self)
+
+    @classmethod
+    def drain_all(cls) -> None:
+        for writer in list(cls.registry):
+            writer.drain()
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -108,8 +163,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.budget = Budget.parse(str(extra.get("replay_budget", 0.05)))
         self.save_states = bool(extra.get("save_states", True))
         url = extra.get("store") or f"file://{Path(tempfile.gettempdir()) / 'hybridkv-vllm-store'}"
-        self.stage_dir = Path(extra.get("stage_dir") or Path(tempfile.gettempdir()) / "hybridkv-vllm-stage")
-        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning(
+                "hybridkv: kv_load_failure_policy is %r; set it to 'recompute' so that a load failing in the "
+                "worker recomputes the request instead of failing it", self._kv_transfer_config.kv_load_failure_policy,
+            )  # fmt: skip
 
         groups = kv_cache_config.kv_cache_groups
         self.attention_groups, self.mamba_groups = {}, {}
@@ -141,16 +199,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.store_url = url
         # scheduler side
+        self._lookups: dict[str, Future[_Hit]] = {}
         self._hits: dict[str, _Hit] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
+        self._salts: dict[str, str | None] = {}  # a request's cache_salt, until its prompt is tracked
+        self._lookup_pool: ThreadPoolExecutor | None = None
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
+        self._loaded: set[str] = set()
+        self._failed: set[str] = set()
+        self._writer: _Writer | None = None
 
     # == scheduler side ==========================================================================
 
     @property
-    def requires_kv_delivery(self) -> bool:  # loads are synchronous: nothing to hand over on preemption
+    def requires_kv_delivery(self) -> bool:  # a best-effort cache: a dropped save is a later miss
         return False
 
     def _layouts(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -165,27 +229,33 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         states = {name: size(g) for g, names in self.mamba_groups.items() for name in names}
         return attention, states
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if num_computed_tokens:  # only with vLLM's prefix cache, which __init__ refuses
             return 0, False
-        hit = self._hits.get(request.request_id)
-        if hit is None:
-            hit = self._hits[request.request_id] = self._look_up(request)
-        return hit.start, False
+        req_id = request.request_id
+        if (hit := self._hits.get(req_id)) is None:
+            lookup = self._lookups.get(req_id)
+            if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
+                self._salts[req_id] = getattr(request, "cache_salt", None)
+                if self._lookup_pool is None:
+                    self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
+                self._lookups[req_id] = self._lookup_pool.submit(self._look_up, request)
+                return None, False
+            if not lookup.done():
+                return None, False
+            hit = self._hits[req_id] = self._lookups.pop(req_id).result()
+        return hit.start, hit.start > 0
 
     def _look_up(self, request) -> _Hit:
-        """Find, read, verify and stage a request's pages; claim nothing that is not staged."""
+        """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
         try:
+            _Writer.drain_all()  # this process's own saves first (see _Writer)
             resume = self.blocks.resume(
-                list(request.prompt_token_ids), attention, states, self._request_budget(request)
-            )
-            hit = _Hit(resume.matched, resume.start, resume.states is not None, len(resume.blocks))
-            if resume.start:
-                path = self.stage_dir / f"{uuid.uuid4().hex}.hkvs"
-                write_staged(path, resume)
-                hit.staged = str(path)
-            return hit
+                list(request.prompt_token_ids), attention, states, self._request_budget(request),
+                getattr(request, "cache_salt", None),
+            )  # fmt: skip
+            return _Hit(resume.matched, resume.start, resume.states is not None, resume if resume.start else None)
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
             return _Hit(0, 0)
@@ -200,28 +270,36 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("hybridkv: request %s: %s; using the engine's budget %s", request.request_id, err, self.budget)
             return self.budget
 
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        # The load writes every linear state slot (the checkpoint, or zeros): vLLM must not zero
+        # them after it, as it would a state group it thinks nothing restored.
+        return tuple(sorted([*self.attention_groups, *self.mamba_groups]))
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
-        if not num_external_tokens or hit is None or hit.start != num_external_tokens or hit.staged is None:
+        if not num_external_tokens or hit is None or hit.start != num_external_tokens or hit.resume is None:
             return
         ids = blocks.get_block_ids()
+        resume, hit.resume = hit.resume, None  # the pages leave with the load
         self._loads[request.request_id] = LoadOp(
             request.request_id,
-            hit.staged,
-            {g: list(ids[g][: hit.blocks]) for g in self.attention_groups},
+            resume.blocks,
+            resume.states,
+            {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
             {g: ids[g][0] for g in self.mamba_groups},
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = HybridKVMetadata()
+        # A request loading asynchronously is not scheduled in the step its blocks were allocated.
+        meta.loads, self._loads = list(self._loads.values()), {}
         for new in scheduler_output.scheduled_new_reqs:
-            if (load := self._loads.pop(new.req_id, None)) is not None:
-                meta.loads.append(load)
             hit = self._hits.get(new.req_id)
             matched = hit.matched if hit is not None else 0
             self._tracked[new.req_id] = _Tracked(
-                list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size
-            )
+                list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
+                self._salts.pop(new.req_id, None),
+            )  # fmt: skip
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -253,17 +331,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 tracked.first_block,
                 {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
                 {g: tracked.block_ids[g][0] for g in self.mamba_groups} if self.save_states else {},
+                tracked.salt,
             )
         )
 
     def _forget(self, req_id: str) -> dict | None:
         self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._salts.pop(req_id, None)
+        if (lookup := self._lookups.pop(req_id, None)) is not None:
+            lookup.cancel()  # aborted while its lookup ran
         hit = self._hits.pop(req_id, None)
         if hit is None:
             return None
-        if hit.staged is not None:
-            Path(hit.staged).unlink(missing_ok=True)
         return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
@@ -285,21 +365,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return page.view(torch.uint8).reshape(-1)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Copy each load's verified pages into the request's blocks and state slots. vLLM calls
+        this after the step's forward pass when every load is asynchronous, as ours are; the
+        requests wait for `get_finished` to report them."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, HybridKVMetadata):
             return
         for load in meta.loads:
-            # Written and verified by the scheduler just before; it removes the file when the request
-            # ends (a preempted request loads it again when it is rescheduled).
-            _, blocks, states = read_staged(Path(load.staged))
-            for group, ids in load.attention_blocks.items():
-                for block, pages in zip(ids, blocks, strict=True):
-                    for layer in self.attention_groups[group]:
-                        self._page(layer, block).copy_(pages[layer])
-            for group, slot in load.state_slots.items():
-                for layer in self.mamba_groups[group]:
-                    page = self._page(layer, slot)
-                    page.copy_(states[layer]) if states is not None else page.zero_()
+            try:
+                for group, ids in load.attention_blocks.items():
+                    for block, pages in zip(ids, load.blocks, strict=True):
+                        for layer in self.attention_groups[group]:
+                            self._page(layer, block).copy_(pages[layer])
+                for group, slot in load.state_slots.items():
+                    for layer in self.mamba_groups[group]:
+                        page = self._page(layer, slot)
+                        page.copy_(load.states[layer]) if load.states is not None else page.zero_()
+            except Exception:  # vLLM recomputes the request (kv_load_failure_policy "recompute")
+                log.exception("hybridkv: loading request %s failed; it is recomputed", load.req_id)
+                self._failed.add(load.req_id)
+            self._loaded.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -308,16 +393,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saved whole in wait_for_save, once the prompt's last layer is written
 
     def wait_for_save(self) -> None:
+        """Copy out each finished prompt's pages now (the next step may overwrite its state slot);
+        hashing, encoding and the store writes happen on the writer thread."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, HybridKVMetadata):
+        if not isinstance(meta, HybridKVMetadata) or not meta.saves:
             return
+        if self._writer is None:
+            self._writer = _Writer()
         for save in meta.saves:
             try:
-                self._save(save)
+                self._writer.submit(self._snapshot(save))
             except Exception:  # a cache that cannot be written costs reuse later, never this request
                 log.exception("hybridkv: saving a prompt of %d tokens failed", len(save.tokens))
 
-    def _save(self, save: SaveOp) -> None:
+    def _snapshot(self, save: SaveOp) -> Callable[[], None]:
         count = len(next(iter(save.attention_blocks.values())))
         pages = [
             {
@@ -327,23 +416,36 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             }
             for index in range(save.first_block, count)
         ]
-        state_at = None
-        if save.state_slots:
-            states = {
-                layer: self._page(layer, slot).clone()
-                for group, slot in save.state_slots.items()
-                for layer in self.mamba_groups[group]
-            }
-            if self.blocks.save_state(save.tokens, len(save.tokens), states):
+        states = {
+            layer: self._page(layer, slot).clone()
+            for group, slot in save.state_slots.items()
+            for layer in self.mamba_groups[group]
+        }
+
+        def write() -> None:
+            state_at = None
+            if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt):
                 state_at = len(save.tokens)
-        self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at)
+            self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt)
+
+        return write
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        loaded, self._loaded = self._loaded, set()
+        return None, (loaded or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        failed, self._failed = self._failed, set()
+        _, loaded = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(loaded or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # loads read local staged files the scheduler verified; see block_store
+        return set()  # failures are reported per request (failed_recving): vLLM cannot take block ids from a hybrid
 
     def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # every queued save reaches the store first
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         if os.environ.get("HYBRIDKV_VLLM_STATS"):
             log.info("hybridkv store %s: %s", self.store_url, self.blocks.store.stats())

@@ -69,6 +69,7 @@ class ServerSpec:
                 "kv_connector": "HybridKVConnector",
                 "kv_connector_module_path": _CONNECTOR,
                 "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"store": self.store, "replay_budget": self.budget},
             }
             args += ["--kv-transfer-config", json.dumps(transfer)]
@@ -179,8 +180,11 @@ class Reply:
         return self.hybridkv["matched"] - self.hybridkv["reused"] if self.hybridkv else 0
 
 
-async def complete(client, url: str, model: str, prompt: list[int], top_logprobs: int) -> Reply:
-    """Send one prompt (token ids) and time its first token."""
+async def complete(
+    client, url: str, model: str, prompt: list[int], top_logprobs: int, cache_salt: str | None = None
+) -> Reply:
+    """Send one prompt (token ids) and time its first token; `cache_salt` is vLLM's per-request
+    tenant namespace."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -189,6 +193,8 @@ async def complete(client, url: str, model: str, prompt: list[int], top_logprobs
         "logprobs": top_logprobs,
         "return_tokens_as_token_ids": True,
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     started = time.perf_counter()
     response = await client.post(f"{url}/v1/completions", json=body)
     ttft = time.perf_counter() - started
