@@ -405,7 +405,7 @@ ATTRIBUTES = (
 )
 
 
-def documents(rng: random.Random, length: int) -> Example | None:
+def documents(rng: random.Random, length: int, two_titles: float = 0.3) -> Example | None:
     """2 to 16 separately written documents (at most one per 200 tokens, of unequal lengths that
     fill the example), every one stating the same kind of fact about its own title, then a question
     about one or two of them: the shape of the arena's `rag`
@@ -419,7 +419,7 @@ def documents(rng: random.Random, length: int) -> Example | None:
     titles = [_distinct(lambda: _word(rng).capitalize() + " " + _word(rng).capitalize(), taken) for _ in range(count)]
     facts = [_distinct(lambda: _value("numbers" if numbers else "words", rng), taken) for _ in range(count)]
     style = rng.choice(("document", "passage", "report"))
-    asked = sorted(rng.sample(range(count), 2 if count > 2 and rng.random() < 0.3 else 1))
+    asked = sorted(rng.sample(range(count), 2 if count > 2 and rng.random() < two_titles else 1))
     head = rng.choice(
         (
             "Read the documents below and answer the question.\n\n",
@@ -555,6 +555,9 @@ TASKS: dict[str, tuple[float, Generator]] = {
     # Not in the default mix (weight 0: the default stream stays what the shipped models saw);
     # name it with a weight, e.g. `--tasks documents:0.35,niah:0.25,...`.
     "documents": (0.0, documents),
+    # The same documents, with a question about two titles whenever there are three documents or
+    # more (the agent-reports shape: two facts from two documents, in the question's order).
+    "two-documents": (0.0, functools.partial(documents, two_titles=1.0)),
 }
 
 

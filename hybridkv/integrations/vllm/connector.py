@@ -54,6 +54,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentio
 
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, Pages, Resume, engine_fingerprint
+from hybridkv.integrations.vllm.metrics import STORE_ERROR_KINDS, HybridKVPromMetrics, HybridKVStats
 from hybridkv.methods import Budget
 from hybridkv.store import open_store
 from hybridkv.store.guarded import GuardedStore
@@ -198,6 +199,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             GuardedStore(open_store(url)), fingerprint, self.block_size, extra.get("cache_salt", "")
         )
         self.store_url = url
+        self._stats = HybridKVStats()
+        self._store_errors_seen = 0
         # scheduler side
         self._lookups: dict[str, Future[_Hit]] = {}
         self._hits: dict[str, _Hit] = {}
@@ -244,6 +247,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
+            self._stats.record_lookup(hit.matched, hit.start, hit.exact_state)
         return hit.start, hit.start > 0
 
     def _look_up(self, request) -> _Hit:
@@ -441,6 +445,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failures are reported per request (failed_recving): vLLM cannot take block ids from a hybrid
+
+    # == both sides: figures for vLLM's log line and Prometheus endpoint ============================
+
+    def get_kv_connector_stats(self) -> HybridKVStats | None:
+        counts = self.blocks.store.stats()
+        errors = sum(counts.get(kind, 0) for kind in STORE_ERROR_KINDS)
+        self._stats.count("store_errors", errors - self._store_errors_seen)
+        self._store_errors_seen = errors
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, HybridKVStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> HybridKVStats:
+        return HybridKVStats(data=data) if data else HybridKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> HybridKVPromMetrics:
+        return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._writer is not None:

@@ -1,0 +1,86 @@
+"""The connector's figures through vLLM's own connector-stats path: its periodic log line and its
+Prometheus endpoint (`/metrics` of `vllm serve`), as `vllm:hybridkv_*` series per engine.
+
+Both sides of the connector report: the scheduler its lookups (hits, tokens reused, tokens
+replayed, a replay-length histogram) and its store's read errors; the worker its store's write
+errors. vLLM aggregates the two (`aggregate`) and hands the sum to `HybridKVPromMetrics.observe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = {
+    "lookups": "Requests the connector looked up in its store.",
+    "hits": "Requests with a stored prefix (any matched tokens).",
+    "exact_states": "Hits resumed from an exact stored linear-state checkpoint.",
+    "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
+    "tokens_replayed": "Matched prompt tokens recomputed anyway (the tail replay).",
+    "store_errors": "Store operations that failed (down, timed out, full) or returned a corrupt entry.",
+}
+REPLAY_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STORE_ERROR_KINDS = ("get_errors", "put_errors", "delete_errors", "corrupt", "skipped_while_down")
+
+
+@dataclass
+class HybridKVStats(KVConnectorStats):
+    """`data`: {"counters": {name: count}, "replay_tokens": [one sample per hit]} (plain types: it
+    crosses from the engine to the API server process)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": dict.fromkeys(COUNTERS, 0), "replay_tokens": []}
+
+    def count(self, name: str, value: int = 1) -> None:
+        self.data["counters"][name] += value
+
+    def record_lookup(self, matched: int, reused: int, exact_state: bool) -> None:
+        self.count("lookups")
+        if matched:
+            self.count("hits")
+            self.count("exact_states", int(exact_state))
+            self.count("tokens_reused", reused)
+            self.count("tokens_replayed", matched - reused)
+            self.data["replay_tokens"].append(matched - reused)
+
+    def aggregate(self, other: KVConnectorStats) -> HybridKVStats:
+        for name, value in other.data.get("counters", {}).items():
+            self.data["counters"][name] = self.data["counters"].get(name, 0) + value
+        self.data["replay_tokens"].extend(other.data.get("replay_tokens", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        lengths = self.data["replay_tokens"]
+        return {**self.data["counters"], "replay_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0}
+
+    def is_empty(self) -> bool:
+        return not any(self.data["counters"].values()) and not self.data["replay_tokens"]
+
+
+class HybridKVPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for name, doc in COUNTERS.items():
+            metric = self._counter_cls(name=f"vllm:hybridkv_{name}", documentation=doc, labelnames=labelnames)
+            self.counters[name] = {i: metric.labels(*values) for i, values in per_engine_labelvalues.items()}
+        replay = self._histogram_cls(
+            name="vllm:hybridkv_replay_tokens",
+            documentation="Matched tokens each hit recomputed (its tail replay), per hit.",
+            buckets=list(REPLAY_BUCKETS),
+            labelnames=labelnames,
+        )
+        self.replay = {i: replay.labels(*values) for i, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            if value and name in self.counters:
+                self.counters[name][engine_idx].inc(value)
+        for value in transfer_stats_data.get("replay_tokens", []):
+            self.replay[engine_idx].observe(value)
