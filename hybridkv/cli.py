@@ -175,6 +175,27 @@ def _build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--out", type=Path, default=Path("out/ttft"), help="output directory")
     ttft.add_argument("--no-progress", action="store_true")
 
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure how far back a model's linear layers remember (for the vLLM connector's replay)",
+        description=(
+            "Runs the model on sample prompts (essay text through its tokenizer, or random token ids for a model "
+            "without one), records each linear layer's gates, and finds the replay tail after which a zeroed state "
+            "contributes less than the tolerance (the bound adaptive-replay uses), at the quantile over positions. "
+            "Writes the result beside a checkpoint directory (hybridkv-calibration.json), where the vLLM connector "
+            'reads it with "replay_horizon": "calibrated"; for a built-in model, to --out.'
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_device_options(calibrate)
+    calibrate.add_argument("--tokens", type=int, default=4096, help="tokens per sample prompt")
+    calibrate.add_argument("--samples", type=int, default=4, help="sample prompts")
+    calibrate.add_argument("--tolerance", type=float, default=0.01, help="bound on a zeroed state's surviving share")
+    calibrate.add_argument("--quantile", type=float, default=0.95, help="of the shortest tails over positions")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--out", type=Path, default=None, help="output file (default: beside a checkpoint)")
+
     plan = commands.add_parser(
         "plan",
         help="cache memory and predicted TTFT speedups per caching scheme, from a model's config alone",
@@ -219,7 +240,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--workloads", default="shared-system,multi-turn,rag-mix,grid-aligned", help="comma list of server workloads"
     )
     bench_vllm.add_argument("--clients", type=_int_list, default="1,4,16", help="concurrent client counts")
-    bench_vllm.add_argument("--budgets", default="0.05", help="hybridkv replay budgets (fractions, or e.g. 256tok)")
+    bench_vllm.add_argument(
+        "--budgets", default="0.05,adaptive",
+        help="hybridkv replay budgets: fractions, token counts (256tok), or adaptive (the horizon `hybridkv calibrate` "
+        "measures on the model, written beside it on first use)",
+    )  # fmt: skip
     bench_vllm.add_argument("--requests", type=int, default=24, help="requests per workload and client count")
     bench_vllm.add_argument("--min-prefix", type=int, default=1024, help="shortest shared prefix (tokens)")
     bench_vllm.add_argument("--max-prefix", type=int, default=16384, help="longest shared prefix (tokens)")
@@ -307,6 +332,23 @@ def _train(args: argparse.Namespace) -> None:
     print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    from hybridkv.eval.calibrate import CALIBRATION_FILE, calibrate
+
+    out = args.out
+    if out is None:
+        if not Path(args.model).is_dir():
+            raise HybridKVError(f"--model {args.model} is not a checkpoint directory: give --out for its calibration")
+        out = Path(args.model) / CALIBRATION_FILE
+    if args.tokens < 256 or args.samples < 1:
+        raise HybridKVError("--tokens must be at least 256 and --samples at least 1")
+    result = calibrate(_load(args), args.tokens, args.samples, args.tolerance, args.quantile)
+    print(json.dumps({"horizon": result.horizon, "layers": result.layers, "text": result.text}))
+    print(f"wrote {result.write(out)}")
+
+
 def _ttft(args: argparse.Namespace) -> None:
     from hybridkv.eval.ttft import TTFT_METHODS, run_ttft, table
     from hybridkv.eval.validate import ValidateConfig
@@ -353,7 +395,8 @@ def _vllm_bench(args: argparse.Namespace) -> None:
 
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     for budget in budgets:
-        Budget.parse(budget)  # a bad budget fails before any server starts
+        if budget != "adaptive":
+            Budget.parse(budget)  # a bad budget fails before any server starts
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if args.requests < 1 or not args.clients or min(args.clients) < 1 or not budgets or not workloads:
         raise HybridKVError("--requests and every --clients value must be positive; give a budget and a workload")
@@ -606,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
             _store(args)
         elif args.command == "arena":
             _arena(args)
+        elif args.command == "calibrate":
+            _calibrate(args)
         elif args.command == "ttft":
             _ttft(args)
         elif args.command == "plan":

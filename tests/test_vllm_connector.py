@@ -250,3 +250,25 @@ def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint,
             assert all(math.isfinite(lp) for step in g["logprobs"] for lp in step.values())
     finally:
         shutdown(llm)
+
+
+def test_a_calibrated_horizon_caps_the_replay(checkpoint, redis_server, tmp_path):
+    """With "replay_horizon": "calibrated" the connector reads `hybridkv calibrate`'s file beside the
+    model and replays min(horizon, budget): 40 tokens here instead of 5% of 2,300 (115)."""
+    import shutil
+
+    from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration
+
+    model = tmp_path / "calibrated"
+    shutil.copytree(checkpoint, model)
+    Calibration(str(model), 0.01, 0.95, 1024, 1, "random token ids", 40, [40]).write(model / CALIBRATION_FILE)
+    llm = make_engine(model, connector_config(redis_server.url, replay_budget=0.05, replay_horizon="calibrated"))
+    try:
+        document = tokens(2400, seed=13)
+        run(llm, [document])
+        (got,) = run(llm, [document[:2300] + tokens(100, seed=14)])
+        (capped,) = run(llm, [document[:1000] + tokens(100, seed=15)], budget="16tok")  # the budget is shorter
+    finally:
+        shutdown(llm)
+    assert got["reuse"] == {"matched": 2300, "reused": 2300 - 40, "exact_state": False}
+    assert capped["reuse"] == {"matched": 1000, "reused": 1000 - 16, "exact_state": False}

@@ -31,13 +31,18 @@ def test_the_bench_through_vllm_serve_reuses_prefixes_shorter_than_vllms_block(p
     """Every shared prefix here is shorter than one 2,176-token block, so vLLM's own cache reuses
     nothing (vLLM issue #40696) and hybridkv reuses each conversation's earlier turns."""
     shape = Shape(min_prefix=600, max_prefix=1800, requests=4)
-    plan = BenchPlan(str(production), ["shared-system", "multi-turn"], [1, 2], ["0.05"], shape)
+    plan = BenchPlan(str(production), ["shared-system", "multi-turn"], [1, 2], ["0.05", "adaptive"], shape)
     summary = run_bench(plan, tmp_path / "bench", show_progress=False)
     rows = summary["rows"]
-    assert len(rows) == 2 * 2 * 3 and all(set(SUMMARY_FIELDS) <= set(r) for r in rows)
+    assert len(rows) == 2 * 2 * 4 and all(set(SUMMARY_FIELDS) <= set(r) for r in rows)
+    # adaptive replays the calibrated horizon (measured on the model at first use, written beside it)
+    assert summary["calibration"]["horizon"] is not None and (production / "hybridkv-calibration.json").exists()
+    for row in rows:
+        if row["budget"] == "adaptive" and row["workload"] == "shared-system":
+            assert row["replayed_tokens_per_request"] <= summary["calibration"]["horizon"]
     assert {r["block_size"] for r in rows} == {gdn_grid_block(BENCH_MODELS["grid-2048"].config())}
     assert all(r["requests"] == 4 for r in rows)
-    by = {(r["workload"], r["config"], r["clients"]): r for r in rows}
+    by = {(r["workload"], r["config"], r["clients"]): r for r in rows if r["budget"] in (None, "0.05")}
     for clients in (1, 2):
         assert by[("multi-turn", "vllm-prefix-cache", clients)]["reused_tokens_per_request"] == 0
         # Turns 2-4 of each conversation extend a stored prompt: at least 3 of 4 requests reuse.

@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.serve import Reply, Server, ServerSpec, run_sessions
+from hybridkv.integrations.vllm.serve import ADAPTIVE, Reply, Server, ServerSpec, run_sessions
 from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
 
 SUMMARY_FIELDS = (
@@ -45,7 +45,7 @@ class BenchPlan:
     model: str
     workloads: list[str] = field(default_factory=lambda: list(SERVER_WORKLOADS))
     clients: list[int] = field(default_factory=lambda: [1, 4, 16])
-    budgets: list[str] = field(default_factory=lambda: ["0.05"])
+    budgets: list[str] = field(default_factory=lambda: ["0.05"])  # or "adaptive": the calibrated horizon
     shape: Shape = field(default_factory=Shape)
     store: str | None = None  # default: a file store under the output folder, emptied first
     top_logprobs: int = 20
@@ -70,8 +70,21 @@ def _runs(plan: BenchPlan) -> list[tuple[str, str | None]]:
     return [("no-cache", None), ("vllm-prefix-cache", None), *(("hybridkv", b) for b in plan.budgets)]
 
 
+def ensure_calibrated(model: str) -> dict:
+    """The model's calibration (`hybridkv calibrate`), measured now if it has none beside it."""
+    from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration, calibrate
+
+    path = Path(model) / CALIBRATION_FILE
+    if not path.exists():
+        from hybridkv.models import load_model
+
+        calibrate(load_model(model)).write(path)  # float32: the gates' own precision
+    return asdict(Calibration.read(path))
+
+
 def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    calibration = ensure_calibrated(plan.model) if ADAPTIVE in plan.budgets else None
     max_model_len = plan.shape.max_prefix + 2048  # room for multi-turn's growth and every user turn
     warm_up = [[5] * 64]  # one-time start-up costs, outside every measurement
     sessions: dict[tuple[str, int], list] = {}
@@ -102,7 +115,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                     progress.set_postfix_str(f"{label}: {name}, {clients} clients")
                     run["results"][(name, clients)] = _run(server, runs, clients, plan, progress.update)
             measured[(config, budget)] = run
-    summary = summarise(plan, measured)
+    summary = summarise(plan, measured) | {"calibration": calibration}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(report(summary))
     for name in plan.workloads:
@@ -201,6 +214,13 @@ def report(summary: dict) -> str:
         "token against `no-cache` at the same client count.",
         "",
     ]
+    if calibration := summary.get("calibration"):
+        lines += [
+            f"`hybridkv@adaptive` replays the model's calibrated forgetting horizon, {calibration['horizon']} tokens "
+            f"(`hybridkv calibrate`: tolerance {calibration['tolerance']}, quantile {calibration['quantile']}, "
+            f"{calibration['samples']} prompts of {calibration['tokens']} {calibration['text']}).",
+            "",
+        ]
     for workload in dict.fromkeys(r["workload"] for r in summary["rows"]):
         lines += [
             f"## {workload}",

@@ -133,10 +133,14 @@ class BlockStore:
 
     def resume(
         self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget,
-        salt: str | None = None,
+        salt: str | None = None, horizon: int | None = None,
     ) -> Resume:  # fmt: skip
-        """Everything needed to resume `tokens`: the match, the start, the pages to load."""
+        """Everything needed to resume `tokens`: the match, the start, the pages to load. A
+        `horizon` (the model's calibrated forgetting horizon, `hybridkv calibrate`) caps the
+        budget's tail: the gates have forgotten the dropped state by then."""
         found = self.match(tokens, layout, salt)
+        if horizon is not None:
+            budget = Budget(tokens=min(horizon, budget.tail_tokens(found.length)))
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
         recipe = SeededReplay().recipe(StoredMatch(found.length, tuple(found.checkpoints)), budget)

@@ -18,7 +18,9 @@ that step and written to the store by a background thread, off the request's pat
 
 Extra config: `store` (a hybridkv store URL, default a file store under the temp dir — shared by
 the engine's processes), `replay_budget` (fraction of the match, or "256tok"; default 0.05),
-`cache_salt` (the engine's namespace), `save_states` (default true). vLLM's per-request
+`replay_horizon` (a token count, or "calibrated": the forgetting horizon `hybridkv calibrate`
+wrote beside the model; it caps the budget's tail), `cache_salt` (the engine's namespace),
+`save_states` (default true). vLLM's per-request
 `cache_salt` opens a namespace inside it: two tenants never share a page. A request may set its
 own budget: `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each
 finished request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in
@@ -152,6 +154,20 @@ class _Writer:
             writer.drain()
 
 
+def _replay_horizon(setting, model: str) -> int | None:
+    """`replay_horizon`: absent (the budget alone), a token count, or "calibrated" (the horizon
+    `hybridkv calibrate` wrote beside the model; None there: some layer remembers past it)."""
+    if setting is None:
+        return None
+    if setting == "calibrated":
+        from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration
+
+        return Calibration.read(Path(model) / CALIBRATION_FILE).horizon
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
+        return setting
+    raise HybridKVError(f'replay_horizon {setting!r}: a token count or "calibrated"')
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -163,6 +179,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.budget = Budget.parse(str(extra.get("replay_budget", 0.05)))
         self.save_states = bool(extra.get("save_states", True))
+        self.horizon = _replay_horizon(extra.get("replay_horizon"), vllm_config.model_config.model)
         url = extra.get("store") or f"file://{Path(tempfile.gettempdir()) / 'hybridkv-vllm-store'}"
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
@@ -257,7 +274,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             _Writer.drain_all()  # this process's own saves first (see _Writer)
             resume = self.blocks.resume(
                 list(request.prompt_token_ids), attention, states, self._request_budget(request),
-                getattr(request, "cache_salt", None),
+                getattr(request, "cache_salt", None), self.horizon,
             )  # fmt: skip
             return _Hit(resume.matched, resume.start, resume.states is not None, resume if resume.start else None)
         except Exception:  # never take the engine down over a cache: recompute instead

@@ -25,6 +25,7 @@ from pathlib import Path
 from hybridkv.errors import HybridKVError
 
 SERVER_CONFIGS = ("no-cache", "vllm-prefix-cache", "hybridkv")
+ADAPTIVE = "adaptive"  # a hybridkv budget: replay the model's calibrated forgetting horizon
 _CONNECTOR = "hybridkv.integrations.vllm.connector"
 
 
@@ -37,7 +38,8 @@ def free_port() -> int:
 @dataclass
 class ServerSpec:
     """One `vllm serve` configuration: vLLM alone, vLLM's own (hybrid, `align` mode) prefix cache,
-    or vLLM with HybridKVConnector on `store`."""
+    or vLLM with HybridKVConnector on `store` at `budget` — a fixed budget ("0.05", "256tok") or
+    "adaptive": the horizon `hybridkv calibrate` wrote beside the model, uncapped."""
 
     model: str
     config: str
@@ -72,6 +74,8 @@ class ServerSpec:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"store": self.store, "replay_budget": self.budget},
             }
+            if self.budget == ADAPTIVE:
+                transfer["kv_connector_extra_config"] |= {"replay_budget": "1.0", "replay_horizon": "calibrated"}
             args += ["--kv-transfer-config", json.dumps(transfer)]
         return args
 
