@@ -246,6 +246,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "measures on the model, written beside it on first use)",
     )  # fmt: skip
     bench_vllm.add_argument("--requests", type=int, default=24, help="requests per workload and client count")
+    bench_vllm.add_argument(
+        "--engines", type=int, default=1,
+        help="vllm serve processes per configuration, on one store; each conversation moves to another at every turn",
+    )  # fmt: skip
     bench_vllm.add_argument("--min-prefix", type=int, default=1024, help="shortest shared prefix (tokens)")
     bench_vllm.add_argument("--max-prefix", type=int, default=16384, help="longest shared prefix (tokens)")
     bench_vllm.add_argument("--store", default=None, help="hybridkv store URL (default: a file store in OUT/store)")
@@ -398,8 +402,17 @@ def _vllm_bench(args: argparse.Namespace) -> None:
         if budget != "adaptive":
             Budget.parse(budget)  # a bad budget fails before any server starts
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if args.requests < 1 or not args.clients or min(args.clients) < 1 or not budgets or not workloads:
-        raise HybridKVError("--requests and every --clients value must be positive; give a budget and a workload")
+    if (
+        args.requests < 1
+        or args.engines < 1
+        or not args.clients
+        or min(args.clients) < 1
+        or not budgets
+        or not workloads
+    ):
+        raise HybridKVError(
+            "--requests, --engines and every --clients value must be positive; give a budget and a workload"
+        )
     if not 64 <= args.min_prefix <= args.max_prefix:
         raise HybridKVError(f"--min-prefix {args.min_prefix} / --max-prefix {args.max_prefix}: need 64 <= min <= max")
     try:
@@ -416,7 +429,7 @@ def _vllm_bench(args: argparse.Namespace) -> None:
     elif not Path(model).is_dir():
         raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or one of {', '.join(BENCH_MODELS)})")
     shape = Shape(args.min_prefix, args.max_prefix, args.requests)
-    plan = BenchPlan(model, workloads, args.clients, budgets, shape, args.store)
+    plan = BenchPlan(model, workloads, args.clients, budgets, shape, args.store, engines=args.engines)
     run_bench(plan, args.out, show_progress=not args.no_progress)
     print((args.out / "report.md").read_text())
 

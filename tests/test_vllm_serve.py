@@ -138,3 +138,36 @@ def test_a_store_killed_under_16_clients_leaves_every_request_answered_and_count
         common = set(g.logprobs) & set(w.logprobs)
         assert len(common) >= 3
         assert max(abs(g.logprobs[t] - w.logprobs[t]) for t in common) < BF16_LOGPROB_TOL
+
+
+def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_pages(
+    production, redis_server, tmp_path
+):
+    """Two vllm serve processes on one redis: each turn of a conversation goes to the other server,
+    which resumes exactly from the state the first one stored after the last turn. A server writes
+    a prompt's pages just after answering it (off the request path), so the next turn is sent half
+    a second later, as a user would; sent at once it may find the pages still being written."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng = random.Random(21)
+    turn = [rng.randrange(3, 500) for _ in range(800)]
+    conversation = [turn, turn + [rng.randrange(3, 500) for _ in range(120)]]
+    conversation.append(conversation[1] + [rng.randrange(3, 500) for _ in range(90)])
+    spec = ServerSpec(str(production), "hybridkv", 4096, redis_server.url)
+
+    async def talk(urls):
+        replies = []
+        async with httpx.AsyncClient(timeout=600) as client:
+            for index, prompt in enumerate(conversation):
+                replies.append(await complete(client, urls[index % 2], spec.model, prompt, 5))
+                await asyncio.sleep(0.5)
+        return replies
+
+    with Server(spec, tmp_path / "a.log") as first, Server(spec, tmp_path / "b.log") as second:
+        replies = asyncio.run(talk([first.url, second.url]))
+    assert replies[0].hybridkv["matched"] == 0
+    assert replies[1].hybridkv == {"matched": 800, "reused": 800, "exact_state": True}  # on the other server
+    assert replies[2].hybridkv == {"matched": 920, "reused": 920, "exact_state": True}  # and back

@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import statistics
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class BenchPlan:
     store: str | None = None  # default: a file store under the output folder, emptied first
     top_logprobs: int = 20
     seed: int = 0
+    engines: int = 1  # vllm serve processes per configuration, on one store; sessions move between them
 
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
@@ -99,9 +101,14 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
             spec = ServerSpec(plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed)
             label = config if budget is None else f"{config}@{budget}"
             progress.set_postfix_str(f"{label}: starting vllm serve")
-            with Server(spec, out / "logs" / f"{label}.log") as server:
-                _run(server, [warm_up], 1, plan)
-                block_size = server.block_size()
+            with ExitStack() as stack:
+                servers = [
+                    stack.enter_context(Server(spec, out / "logs" / f"{label}-{i}.log")) for i in range(plan.engines)
+                ]
+                urls = [server.url for server in servers]
+                for server in servers:
+                    _run([server.url], [warm_up], 1, plan)
+                block_size = servers[0].block_size()
                 if not sessions:  # grid-aligned puts its prefixes on the block vLLM chose for this model
                     shape = replace(plan.shape, block_size=block_size)
                     sessions = {
@@ -113,7 +120,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                 run = {"block_size": block_size, "results": {}}
                 for (name, clients), runs in sessions.items():
                     progress.set_postfix_str(f"{label}: {name}, {clients} clients")
-                    run["results"][(name, clients)] = _run(server, runs, clients, plan, progress.update)
+                    run["results"][(name, clients)] = _run(urls, runs, clients, plan, progress.update)
             measured[(config, budget)] = run
     summary = summarise(plan, measured) | {"calibration": calibration}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -123,11 +130,11 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     return summary
 
 
-def _run(server: Server, sessions, clients: int, plan: BenchPlan, on_reply=None):
+def _run(urls: list[str], sessions, clients: int, plan: BenchPlan, on_reply=None):
     import asyncio
 
     on = (lambda _reply: on_reply()) if on_reply else None
-    return asyncio.run(run_sessions(server.url, plan.model, sessions, clients, plan.top_logprobs, on))
+    return asyncio.run(run_sessions(urls, plan.model, sessions, clients, plan.top_logprobs, on))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -157,6 +164,7 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "workload": name,
                         "config": config,
                         "clients": clients,
+                        "engines": plan.engines,
                         "budget": budget,
                         "block_size": run["block_size"],
                         "requests": len(flat),

@@ -29,10 +29,19 @@ ADAPTIVE = "adaptive"  # a hybridkv budget: replay the model's calibrated forget
 _CONNECTOR = "hybridkv.integrations.vllm.connector"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, and none this process handed out before (a server handed one
+    binds it only once it has started, tens of seconds later)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
@@ -218,11 +227,14 @@ async def complete(
 
 
 async def run_sessions(
-    url: str, model: str, sessions: list[list[list[int]]], clients: int, top_logprobs: int, on_reply=None
+    urls: str | list[str], model: str, sessions: list[list[list[int]]], clients: int, top_logprobs: int, on_reply=None
 ) -> tuple[list[list[Reply]], float]:
     """Serve `sessions` (each a list of prompts that must go in order, as a conversation's turns)
     with `clients` concurrent clients, each taking the next waiting session; returns every
-    session's replies and the wall time of the whole run."""
+    session's replies and the wall time of the whole run. With several servers (`urls`), request
+    k of session i goes to server (i + k) mod n: every conversation moves to another engine at
+    each turn, as behind a load balancer without affinity."""
+    urls = [urls] if isinstance(urls, str) else urls
     import httpx
 
     replies: list[list[Reply]] = [[] for _ in sessions]
@@ -233,8 +245,8 @@ async def run_sessions(
     async def client_loop(client) -> None:
         while not queue.empty():
             index = queue.get_nowait()
-            for prompt in sessions[index]:
-                reply = await complete(client, url, model, prompt, top_logprobs)
+            for turn, prompt in enumerate(sessions[index]):
+                reply = await complete(client, urls[(index + turn) % len(urls)], model, prompt, top_logprobs)
                 replies[index].append(reply)
                 if on_reply is not None:
                     on_reply(reply)
