@@ -163,13 +163,16 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
 
     plan = BenchPlan("m", ["shared-system"], [4], ["0.05"])
     measured = {
-        ("no-cache", None): {"block_size": 2176, "results": {("shared-system", 4): (replies(1.0, 1), 3.0)}},
+        ("no-cache", None): {"block_size": 2176, "results": {("shared-system", 4): (replies(1.0, 1), 3.0, None)}},
         ("vllm-prefix-cache", None): {
-            "block_size": 2176, "results": {("shared-system", 4): (replies(0.25, 1, cached=64), 1.5)}
+            "block_size": 2176, "results": {("shared-system", 4): (replies(0.25, 1, cached=64), 1.5, None)}
         },
         ("hybridkv", "0.05"): {  # a different top token: agreement 0
             "block_size": 2176,
-            "results": {("shared-system", 4): (replies(0.5, 9, hybridkv={"matched": 90, "reused": 80}), 1.0)},
+            "results": {("shared-system", 4): (
+                replies(0.5, 9, hybridkv={"matched": 90, "reused": 80}), 1.0,
+                {"hook_ms_per_request": 1.5, "copy_ms_per_request": 0.5, "lookup_ms_per_request": 4.0},
+            )},
         },
     }  # fmt: skip
     rows = {r["config"]: r for r in summarise(plan, measured)["rows"]}
@@ -178,7 +181,9 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
     assert rows["hybridkv"]["reused_tokens_per_request"] == 80 and rows["hybridkv"]["replayed_tokens_per_request"] == 10
     assert rows["hybridkv"]["top1_agreement"] == 0.0 and rows["hybridkv"]["kl_mean"] > 0
     assert rows["no-cache"]["kl_mean"] == 0.0 and rows["no-cache"]["requests"] == 3
+    assert rows["hybridkv"]["hook_ms_per_request"] == 1.5 and rows["no-cache"]["hook_ms_per_request"] is None
     summary = summarise(plan, measured)
     plot(summary, "shared-system", tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
     assert report(summary).count("| 4 |") == 3 and "hybridkv@0.05" in report(summary)
+    assert "| 1.5 / 0.5 / 4.0 |" in report(summary)

@@ -35,6 +35,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.serve import ADAPTIVE, Reply, Server, ServerSpec, run_sessions
 from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
 
+CONNECTOR_FIELDS = ("hook_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request")
 SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
     "throughput_rps", "reused_tokens_per_request", "replayed_tokens_per_request", "top1_agreement", "kl_mean",
@@ -120,7 +121,11 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                 run = {"block_size": block_size, "results": {}}
                 for (name, clients), runs in sessions.items():
                     progress.set_postfix_str(f"{label}: {name}, {clients} clients")
-                    run["results"][(name, clients)] = _run(urls, runs, clients, plan, progress.update)
+                    before = _connector_totals(servers) if config == "hybridkv" else None
+                    replies, wall = _run(urls, runs, clients, plan, progress.update)
+                    requests = sum(len(s) for s in runs)
+                    spent = _connector_spent(servers, before, requests) if before is not None else None
+                    run["results"][(name, clients)] = (replies, wall, spent)
             measured[(config, budget)] = run
     summary = summarise(plan, measured) | {"calibration": calibration}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -128,6 +133,38 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     for name in plan.workloads:
         plot(summary, name, out / f"ttft-{name}.png")
     return summary
+
+
+_SECONDS = ("hook_seconds", "copy_seconds", "lookup_seconds")
+
+
+def _connector_totals(servers: list[Server]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for server in servers:
+        for name, value in server.metrics().items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def _connector_spent(servers: list[Server], before: dict[str, float], requests: int) -> dict[str, float]:
+    """Milliseconds per request of the connector's hooks, copies and lookups over one run, from
+    its counters on the servers' /metrics (read again for a few seconds, until every request's
+    lookup is counted: the server records a step's figures just after answering)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        after = _connector_totals(servers)
+        looked_up = after.get("vllm:hybridkv_lookups_total", 0) - before.get("vllm:hybridkv_lookups_total", 0)
+        if looked_up >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {
+        f"{name.removesuffix('_seconds')}_ms_per_request": 1000
+        * (after.get(f"vllm:hybridkv_{name}_total", 0) - before.get(f"vllm:hybridkv_{name}_total", 0))
+        / requests
+        for name in _SECONDS
+    }
 
 
 def _run(urls: list[str], sessions, clients: int, plan: BenchPlan, on_reply=None):
@@ -149,10 +186,10 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
     rows = []
     for name in plan.workloads:
         for clients in plan.clients:
-            reference, _ = measured[("no-cache", None)]["results"][(name, clients)]
+            reference, _, _ = measured[("no-cache", None)]["results"][(name, clients)]
             reference_flat = [r for session in reference for r in session]
             for (config, budget), run in measured.items():
-                replies, wall = run["results"][(name, clients)]
+                replies, wall, spent = run["results"][(name, clients)]
                 flat: list[Reply] = [r for session in replies for r in session]
                 ttfts = [r.ttft_s for r in flat]
                 fidelity = [
@@ -176,6 +213,9 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for r in flat),
                         "top1_agreement": statistics.mean(a for a, _ in fidelity),
                         "kl_mean": statistics.mean(k for _, k in fidelity),
+                        # hybridkv only: the connector's milliseconds per request (hooks on the
+                        # engine loop, page copies, lookups on their thread)
+                        **(spent or dict.fromkeys(CONNECTOR_FIELDS)),
                     }
                 )
     return {"model": plan.model, "seed": plan.seed, "shape": asdict(plan.shape), "rows": rows}
@@ -219,7 +259,10 @@ def report(summary: dict) -> str:
         f"Model `{summary['model']}` through `vllm serve`; vLLM's attention block: {', '.join(map(str, blocks))} "
         f"tokens. Prefixes {shape['min_prefix']}-{shape['max_prefix']} tokens, {shape['requests']} requests per "
         "workload and client count. TTFT: request sent to first token (`max_tokens=1`); fidelity of the first "
-        "token against `no-cache` at the same client count.",
+        "token against `no-cache` at the same client count. The connector's milliseconds per request, from its "
+        "counters on the servers' `/metrics`: hooks on the engine loop (everything but moving pages), page copies "
+        "into and out of vLLM's cache, and lookups (key hashing, store reads, checksums) on their own thread, "
+        "before a request's load.",
         "",
     ]
     if calibration := summary.get("calibration"):
@@ -235,14 +278,20 @@ def report(summary: dict) -> str:
             "",
             f"![TTFT, {workload}](ttft-{workload}.png)",
             "",
-            "| clients | config | TTFT mean s | p50 | p99 | req/s | reused / req | replayed / req | top-1 | KL mean |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| clients | config | TTFT mean s | p50 | p99 | req/s | reused / req | replayed / req | top-1 | KL mean "
+            "| connector ms / req: hooks / copies / lookup |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in (r for r in summary["rows"] if r["workload"] == workload):
             lines.append(
                 f"| {row['clients']} | {_label(row)} | {row['ttft_mean_s']:.3f} | {row['ttft_p50_s']:.3f} | "
                 f"{row['ttft_p99_s']:.3f} | {row['throughput_rps']:.2f} | {row['reused_tokens_per_request']:.0f} | "
-                f"{row['replayed_tokens_per_request']:.0f} | {row['top1_agreement']:.3f} | {row['kl_mean']:.2e} |"
+                f"{row['replayed_tokens_per_request']:.0f} | {row['top1_agreement']:.3f} | {row['kl_mean']:.2e} | "
+                + (
+                    " / ".join(f"{row[f]:.1f}" for f in CONNECTOR_FIELDS) + " |"
+                    if row["hook_ms_per_request"] is not None
+                    else "— |"
+                )
             )
         lines.append("")
     return "\n".join(lines)

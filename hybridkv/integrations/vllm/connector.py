@@ -34,11 +34,13 @@ before, so only a layout mismatch can) then recomputes the request instead of fa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -168,6 +170,23 @@ def _replay_horizon(setting, model: str) -> int | None:
     raise HybridKVError(f'replay_horizon {setting!r}: a token count or "calibrated"')
 
 
+def _timed(counter: str):
+    """Add a hook's wall time to the connector's `counter` (seconds, see metrics.COUNTERS)."""
+
+    def wrap(hook):
+        @functools.wraps(hook)
+        def timed(self, *args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return hook(self, *args, **kwargs)
+            finally:
+                self._count(counter, time.perf_counter() - began)
+
+        return timed
+
+    return wrap
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -217,6 +236,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.store_url = url
         self._stats = HybridKVStats()
+        self._stats_lock = threading.Lock()  # the lookup thread counts too
         self._store_errors_seen = 0
         # scheduler side
         self._lookups: dict[str, Future[_Hit]] = {}
@@ -249,6 +269,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         states = {name: size(g) for g, names in self.mamba_groups.items() for name in names}
         return attention, states
 
+    def _count(self, name: str, value: float = 1) -> None:
+        with self._stats_lock:
+            self._stats.count(name, value)
+
+    @_timed("hook_seconds")
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if num_computed_tokens:  # only with vLLM's prefix cache, which __init__ refuses
             return 0, False
@@ -264,9 +289,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
-            self._stats.record_lookup(hit.matched, hit.start, hit.exact_state)
+            with self._stats_lock:
+                self._stats.record_lookup(hit.matched, hit.start, hit.exact_state)
         return hit.start, hit.start > 0
 
+    @_timed("lookup_seconds")
     def _look_up(self, request) -> _Hit:
         """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
@@ -296,6 +323,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # them after it, as it would a state group it thinks nothing restored.
         return tuple(sorted([*self.attention_groups, *self.mamba_groups]))
 
+    @_timed("hook_seconds")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
         if not num_external_tokens or hit is None or hit.start != num_external_tokens or hit.resume is None:
@@ -310,6 +338,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             {g: ids[g][0] for g in self.mamba_groups},
         )
 
+    @_timed("hook_seconds")
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = HybridKVMetadata()
         # A request loading asynchronously is not scheduled in the step its blocks were allocated.
@@ -367,6 +396,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
 
+    @_timed("hook_seconds")
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
         info = self._forget(request.request_id)
         return False, ({"hybridkv": info} if info is not None else None)
@@ -385,6 +415,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise HybridKVError(f"{layer}: a KV-cache block is not contiguous; this vLLM layout is not supported")
         return page.view(torch.uint8).reshape(-1)
 
+    @_timed("copy_seconds")
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Copy each load's verified pages into the request's blocks and state slots. vLLM calls
         this after the step's forward pass when every load is asynchronous, as ours are; the
@@ -413,6 +444,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # saved whole in wait_for_save, once the prompt's last layer is written
 
+    @_timed("copy_seconds")
     def wait_for_save(self) -> None:
         """Copy out each finished prompt's pages now (the next step may overwrite its state slot);
         hashing, encoding and the store writes happen on the writer thread."""
@@ -468,11 +500,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> HybridKVStats | None:
         counts = self.blocks.store.stats()
         errors = sum(counts.get(kind, 0) for kind in STORE_ERROR_KINDS)
-        self._stats.count("store_errors", errors - self._store_errors_seen)
-        self._store_errors_seen = errors
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, HybridKVStats()
+        with self._stats_lock:
+            self._stats.count("store_errors", errors - self._store_errors_seen)
+            self._store_errors_seen = errors
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, HybridKVStats()
         return stats
 
     @classmethod

@@ -20,6 +20,12 @@ COUNTERS = {
     "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
     "tokens_replayed": "Matched prompt tokens recomputed anyway (the tail replay).",
     "store_errors": "Store operations that failed (down, timed out, full) or returned a corrupt entry.",
+    # Where the connector's time goes. Hooks run on the engine loop; copies move pages between
+    # vLLM's cache and the connector; lookups (key hashing, store reads, checksums) run on a
+    # background thread, before a request's load, off the engine loop.
+    "hook_seconds": "Seconds in the connector's hooks on the engine loop, page copies excluded.",
+    "copy_seconds": "Seconds copying pages into vLLM's cache (loads) and out of it (saves).",
+    "lookup_seconds": "Seconds of lookups (hashing, store reads, verification) on the lookup thread.",
 }
 REPLAY_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STORE_ERROR_KINDS = ("get_errors", "put_errors", "delete_errors", "corrupt", "skipped_while_down")
@@ -37,7 +43,7 @@ class HybridKVStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {"counters": dict.fromkeys(COUNTERS, 0), "replay_tokens": []}
 
-    def count(self, name: str, value: int = 1) -> None:
+    def count(self, name: str, value: float = 1) -> None:
         self.data["counters"][name] += value
 
     def record_lookup(self, matched: int, reused: int, exact_state: bool) -> None:

@@ -160,6 +160,16 @@ class Server:
             os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
 
+    def metrics(self, prefix: str = "vllm:hybridkv_") -> dict[str, float]:
+        """The server's Prometheus series starting with `prefix`, each summed over its labels."""
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        sums: dict[str, float] = {}
+        for name, value in re.findall(rf"^({re.escape(prefix)}[a-z_]+)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+            sums[name] = sums.get(name, 0.0) + float(value)
+        return sums
+
     def block_size(self) -> int:
         """The attention block vLLM settled on, from its `vllm:cache_config_info` metric (after the
         engine aligned it to the linear states' pages)."""
