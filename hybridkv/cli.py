@@ -193,7 +193,7 @@ def _build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--samples", type=int, default=4, help="sample prompts")
     calibrate.add_argument("--tolerance", type=float, default=0.01, help="bound on a zeroed state's surviving share")
     calibrate.add_argument("--quantile", type=float, default=0.95, help="of the shortest tails over positions")
-    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--seed", type=int, default=0, help="which sample prompts (and a random model's weights)")
     calibrate.add_argument("--out", type=Path, default=None, help="output file (default: beside a checkpoint)")
 
     plan = commands.add_parser(
@@ -348,7 +348,7 @@ def _calibrate(args: argparse.Namespace) -> None:
         out = Path(args.model) / CALIBRATION_FILE
     if args.tokens < 256 or args.samples < 1:
         raise HybridKVError("--tokens must be at least 256 and --samples at least 1")
-    result = calibrate(_load(args), args.tokens, args.samples, args.tolerance, args.quantile)
+    result = calibrate(_load(args), args.tokens, args.samples, args.tolerance, args.quantile, args.seed)
     print(json.dumps({"horizon": result.horizon, "layers": result.layers, "text": result.text}))
     print(f"wrote {result.write(out)}")
 

@@ -30,9 +30,9 @@ def test_a_calibrated_horizon_holds_on_prompts_it_did_not_see(models):
     result = calibrate(model, tokens=1024, samples=2, tolerance=0.01, quantile=0.95)
     assert result.text == "essay text" and len(result.layers) == len(model.description.linear_layers)
     assert result.horizon is not None and result.horizon == max(result.layers)
-    fresh, _ = sample_prompts(model, 1024, 3)
+    fresh, _ = sample_prompts(model, 1024, 3, seed=1)  # prompts 3-5: none of the two calibrated on
     with torch.inference_mode(), record_decay(model) as gates:
-        model.forward(fresh[2], model.new_cache(), start=0)
+        model.forward(fresh[0], model.new_cache(), start=0)
     summary = summarise(gates)
     ends = range(512 + result.horizon, 1025, 64)
     held = [summary.bound(end - result.horizon, end) < 0.01 for end in ends]

@@ -92,7 +92,7 @@ def sample_prompts(model: HybridModel, tokens: int, samples: int, seed: int = 0)
     if tokenizer is not None:
         prompts = []
         for index in range(samples):
-            ids = tokenizer.encode(" ".join(essay_passage(index * 50_000, tokens)))[:tokens]
+            ids = tokenizer.encode(" ".join(essay_passage((seed * samples + index) * 50_000, tokens)))[:tokens]
             prompts.append(torch.tensor(ids))
         if all(len(p) == tokens for p in prompts):
             return prompts, "essay text"
@@ -102,11 +102,12 @@ def sample_prompts(model: HybridModel, tokens: int, samples: int, seed: int = 0)
 
 
 def calibrate(
-    model: HybridModel, tokens: int = 4096, samples: int = 4, tolerance: float = 0.01, quantile: float = 0.95
-) -> Calibration:
+    model: HybridModel, tokens: int = 4096, samples: int = 4, tolerance: float = 0.01, quantile: float = 0.95,
+    seed: int = 0,
+) -> Calibration:  # fmt: skip
     if not 0 < tolerance < 1 or not 0 < quantile <= 1:
         raise HybridKVError(f"calibrate: tolerance {tolerance} and quantile {quantile} must lie in (0, 1)")
-    prompts, text = sample_prompts(model, tokens, samples)
+    prompts, text = sample_prompts(model, tokens, samples, seed)
     tails: list[list[float]] | None = None
     for prompt in prompts:
         with torch.inference_mode(), record_decay(model) as gates:

@@ -76,6 +76,7 @@ class LoadOp:
     states: Pages | None  # the exact linear states at start, or None: zero them
     attention_blocks: dict[int, list[int]]  # attention group -> its block ids covering [0, start)
     state_slots: dict[int, int]  # mamba group -> the request's state slot
+    failed: bool = False  # nothing to load: the worker reports the load failed, and vLLM recomputes
 
 
 @dataclass
@@ -164,7 +165,10 @@ def _replay_horizon(setting, model: str) -> int | None:
     if setting == "calibrated":
         from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration
 
-        return Calibration.read(Path(model) / CALIBRATION_FILE).horizon
+        horizon = Calibration.read(Path(model) / CALIBRATION_FILE).horizon
+        if horizon is not None and (not isinstance(horizon, int) or horizon < 0):
+            raise HybridKVError(f"{Path(model) / CALIBRATION_FILE}: horizon {horizon!r} is not a token count")
+        return horizon
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         return setting
     raise HybridKVError(f'replay_horizon {setting!r}: a token count or "calibrated"')
@@ -243,7 +247,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._hits: dict[str, _Hit] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
-        self._salts: dict[str, str | None] = {}  # a request's cache_salt, until its prompt is tracked
+        self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._lookup_pool: ThreadPoolExecutor | None = None
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
@@ -291,6 +295,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
             with self._stats_lock:
                 self._stats.record_lookup(hit.matched, hit.start, hit.exact_state)
+        elif hit.start and hit.resume is None:
+            # Asked again after its load went out: vLLM preempted the request or its load failed,
+            # and its computed tokens are gone. The pages left with the load: compute it in full.
+            hit.start, hit.exact_state = 0, False
         return hit.start, hit.start > 0
 
     @_timed("lookup_seconds")
@@ -325,8 +333,17 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed("hook_seconds")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if not num_external_tokens:  # no load, or the second call once a load is done
+            return
         hit = self._hits.get(request.request_id)
-        if not num_external_tokens or hit is None or hit.start != num_external_tokens or hit.resume is None:
+        if hit is None or hit.start != num_external_tokens or hit.resume is None:
+            # vLLM now waits for a load this connector cannot make: report it failed rather than
+            # leave the request waiting for ever; vLLM then computes it in full.
+            log.warning("hybridkv: request %s expects a load of %d tokens that is not staged; recomputing it",
+                        request.request_id, num_external_tokens)  # fmt: skip
+            self._loads[request.request_id] = LoadOp(request.request_id, [], None, {}, {}, failed=True)
+            if hit is not None:
+                hit.start, hit.exact_state, hit.resume = 0, False, None
             return
         ids = blocks.get_block_ids()
         resume, hit.resume = hit.resume, None  # the pages leave with the load
@@ -344,11 +361,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A request loading asynchronously is not scheduled in the step its blocks were allocated.
         meta.loads, self._loads = list(self._loads.values()), {}
         for new in scheduler_output.scheduled_new_reqs:
+            if (earlier := self._tracked.get(new.req_id)) is not None and earlier.saved:
+                continue  # a resumed request sent again as new (vLLM's V2 runner): its prompt is stored
             hit = self._hits.get(new.req_id)
             matched = hit.matched if hit is not None else 0
             self._tracked[new.req_id] = _Tracked(
                 list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
-                self._salts.pop(new.req_id, None),
+                self._salts.get(new.req_id),
             )  # fmt: skip
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
@@ -387,7 +406,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> dict | None:
         self._tracked.pop(req_id, None)
-        self._loads.pop(req_id, None)
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
             lookup.cancel()  # aborted while its lookup ran
@@ -425,6 +443,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for load in meta.loads:
             try:
+                if load.failed:
+                    raise HybridKVError("nothing was staged for this load")
                 for group, ids in load.attention_blocks.items():
                     for block, pages in zip(ids, load.blocks, strict=True):
                         for layer in self.attention_groups[group]:
