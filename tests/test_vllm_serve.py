@@ -119,6 +119,9 @@ def test_a_store_killed_under_16_clients_leaves_every_request_answered_and_count
     spec = ServerSpec(str(production), "hybridkv", 4096, store.url)
     with Server(spec, tmp_path / "hybridkv.log") as server:
         asyncio.run(run_sessions(server.url, spec.model, warm, 1, 5))  # one request per system prompt stored
+        # vllm serve runs its worker in its own process, which writes a prompt's pages just after
+        # answering it (milliseconds): give the last write that long before the burst that reads it.
+        asyncio.run(asyncio.sleep(2.0))
         asyncio.run(run_sessions(server.url, spec.model, before, 16, 5))
         assert _metric(server, "vllm:hybridkv_lookups_total", 20) == 20
         hits = _metric(server, "vllm:hybridkv_hits_total", 16)

@@ -114,9 +114,10 @@ class _Tracked:  # scheduler-side view of a running request, until its prefill i
 class _Writer:
     """Writes saved prompts to the store on one background thread, in the order they were queued.
 
-    Every writer of the process is registered, so a lookup in the same process (the scheduler of a
-    single-process engine) first waits for the writes queued before it: a conversation's next turn
-    finds its last turn stored. Across processes the store is eventually consistent."""
+    Every writer of the process is registered, so a lookup in the same process (the scheduler of an
+    engine whose worker runs in its process) first waits for the writes queued before it. Across
+    processes (`vllm serve` runs its worker in one of its own) a prompt's pages land milliseconds
+    after its answer, and a request looked up in that window misses them."""
 
     registry: list[_Writer] = []
     _lock = threading.Lock()

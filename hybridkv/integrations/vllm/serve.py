@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -114,8 +115,15 @@ class Server:
     def __enter__(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
+        # Its own Prometheus directory: vLLM keeps multiprocess metrics in files there, and a
+        # directory inherited from this process (vLLM sets one when an engine ran here before)
+        # would add earlier servers' counts to this one's /metrics.
+        metrics_dir = self.log_path.with_name(self.log_path.stem + "-prometheus")
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir()
+        env = server_env() | {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
         self._process = subprocess.Popen(
-            self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+            self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # its engine process goes down with it
         )  # fmt: skip
         log.close()
