@@ -79,26 +79,24 @@ def test_two_tenants_never_share_a_page_through_the_server(production, tmp_path)
 
 
 def _metric(server: Server, name: str, at_least: float = 0.0) -> float:
-    """The sum of a `vllm:` series over its labels, from the server's Prometheus endpoint, read
-    again for up to 10 s until it reaches `at_least` (the API server records an engine step's
-    figures as it receives them, which may be just after the step's answers went out)."""
-    import re
+    """`server.metrics()[name]`, read again for up to 10 s until it reaches `at_least` (the API
+    server records an engine step's figures as it receives them, which may be just after the
+    step's answers went out)."""
     import time
-
-    import httpx
 
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-        value = sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        value = server.metrics("vllm:").get(name, 0.0)
         if value >= at_least or time.monotonic() > deadline:
             return value
         time.sleep(0.2)
 
 
-# Two servers batch their requests differently under 16 clients, and a bf16 logprob moves with the
-# batch's shapes (kernels split the work differently): a few 1e-3 on one prompt (see
-# test_vllm_connector's BF16_LOGPROB_TOL, 0.02, which covers prefill splits and thread counts too).
+# One prompt alone on two servers goes through the same kernels; the connector changes no forward,
+# so a full prefill matches vLLM alone to bf16 noise at most (test_vllm_connector's tolerance, which
+# covers prefill splits and thread counts too). Under 16 clients the two servers batch differently
+# and a bf16 logprob of this random-weight model moves by up to ~0.05 with the batch's shapes: those
+# replies are checked for being answered, not against each other.
 BF16_LOGPROB_TOL = 0.02
 
 
@@ -132,11 +130,12 @@ def test_a_store_killed_under_16_clients_leaves_every_request_answered_and_count
         got, _ = asyncio.run(run_sessions(server.url, spec.model, after, 16, 5))
         assert _metric(server, "vllm:hybridkv_store_errors_total", errors + 1) > errors
         assert _metric(server, "vllm:hybridkv_lookups_total", 36) == 36
+        alone, _ = asyncio.run(run_sessions(server.url, spec.model, after[:4], 1, 5))
+    assert all(g.hybridkv["reused"] == 0 and len(g.logprobs) >= 3 for (g,) in got + alone)
     reference = ServerSpec(str(production), "no-cache", 4096)
     with Server(reference, tmp_path / "alone.log") as server:
-        want, _ = asyncio.run(run_sessions(server.url, spec.model, after, 16, 5))
-    for (g,), (w,) in zip(got, want, strict=True):
-        assert g.hybridkv["reused"] == 0  # nothing could be read: a full prefill, as vLLM alone
+        want, _ = asyncio.run(run_sessions(server.url, spec.model, after[:4], 1, 5))
+    for (g,), (w,) in zip(alone, want, strict=True):  # nothing could be read: a full prefill, as vLLM alone
         common = set(g.logprobs) & set(w.logprobs)
         assert len(common) >= 3
         assert max(abs(g.logprobs[t] - w.logprobs[t]) for t in common) < BF16_LOGPROB_TOL
