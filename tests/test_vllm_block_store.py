@@ -171,7 +171,8 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
             "block_size": 2176,
             "results": {("shared-system", 4): (
                 replies(0.5, 9, hybridkv={"matched": 90, "reused": 80}), 1.0,
-                {"hook_ms_per_request": 1.5, "copy_ms_per_request": 0.5, "lookup_ms_per_request": 4.0},
+                {"hook_ms_per_request": 1.5, "copy_ms_per_request": 0.5, "lookup_ms_per_request": 4.0,
+                 "write_ms_per_request": 2.0},
             )},
         },
     }  # fmt: skip
@@ -185,5 +186,39 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
     summary = summarise(plan, measured)
     plot(summary, "shared-system", tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
-    assert report(summary).count("| 4 |") == 3 and "hybridkv@0.05" in report(summary)
-    assert "| 1.5 / 0.5 / 4.0 |" in report(summary)
+    text = report(summary)
+    assert text.count("\n| 4 | ") == 3 and "hybridkv@0.05" in text  # one row per configuration
+    assert "| 1.5 / 0.5 / 4.0 / 2.0 |" in text
+    assert "| shared-system | 4 | 0.05 | 2.00 | 1.50 |" in text  # TTFT 0.5 / 0.25, throughput 3.0 / 2.0
+
+
+def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_and_bounds_its_backlog():
+    """A lookup waits for the saves queued before it (a conversation's last turn), not for ones
+    queued while it waits; a save that raises still counts as done; a full backlog refuses more."""
+    import threading
+
+    pytest.importorskip("vllm")
+    from hybridkv.integrations.vllm.connector import _Writer
+
+    writer = _Writer()
+    first, later, later_began = threading.Event(), threading.Event(), threading.Event()
+    written: list[str] = []
+    writer.submit(lambda: (first.wait(10), written.append("first")))
+    writer.submit(lambda: 1 / 0)  # a failing save
+    assert not writer.drain(timeout=0.2)  # the first save is still held
+    drained: list[bool] = []
+    waiter = threading.Thread(target=lambda: drained.append(writer.drain(timeout=10)))
+    waiter.start()
+    writer.submit(lambda: (later_began.set(), later.wait(10), written.append("later")))  # after the drain began
+    first.set()
+    waiter.join(10)
+    assert drained == [True] and written == ["first"]  # it did not wait for the later save
+    assert later_began.wait(10)  # the later save holds the thread; these queue behind it
+    for _ in range(_Writer.MAX_BACKLOG):
+        writer.submit(lambda: written.append("queued"))
+    assert writer.full()
+    later.set()
+    assert writer.drain(timeout=10) and not writer.full()
+    assert written == ["first", "later"] + ["queued"] * _Writer.MAX_BACKLOG
+    writer.close()
+    assert writer not in _Writer.registry

@@ -34,10 +34,10 @@ before, so only a layout mismatch can) then recomputes the request instead of fa
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
-import queue
 import tempfile
 import threading
 import time
@@ -115,39 +115,65 @@ class _Writer:
     """Writes saved prompts to the store on one background thread, in the order they were queued.
 
     Every writer of the process is registered, so a lookup in the same process (the scheduler of an
-    engine whose worker runs in its process) first waits for the writes queued before it. Across
-    processes (`vllm serve` runs its worker in one of its own) a prompt's pages land milliseconds
-    after its answer, and a request looked up in that window misses them."""
+    engine whose worker runs in its process) first waits for the writes queued before it began,
+    not for later ones. Across processes (`vllm serve` runs its worker in one of its own) a prompt's
+    pages land milliseconds after its answer, and a request looked up in that window misses them.
+    The backlog is bounded: with a slow or stalled store a save beyond it is dropped (a later miss),
+    never held in memory without limit."""
+
+    MAX_BACKLOG = 64  # queued saves, each holding its pages' copies
+    DRAIN_TIMEOUT_S = 5.0  # a lookup waits no longer for earlier saves (a stalled store)
 
     registry: list[_Writer] = []
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition()
+        self._submitted = self._completed = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="hybridkv-writer", daemon=True)
         self._thread.start()
         with self._lock:
             _Writer.registry.append(self)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
             try:
                 job()
             except Exception:  # a cache that cannot be written costs reuse later, never a request
                 log.exception("hybridkv: a background save failed")
             finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
+                with self._cond:
+                    self._completed += 1
+                    self._cond.notify_all()
+
+    def full(self) -> bool:
+        with self._cond:
+            return len(self._jobs) >= self.MAX_BACKLOG
 
     def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
+        with self._cond:
+            self._jobs.append(job)
+            self._submitted += 1
+            self._cond.notify_all()
 
-    def drain(self) -> None:
-        self._jobs.join()
+    def drain(self, timeout: float | None = DRAIN_TIMEOUT_S) -> bool:
+        """Wait until the writes submitted before this call are done; False if `timeout` passed."""
+        with self._cond:
+            target = self._submitted
+            return self._cond.wait_for(lambda: self._completed >= target, timeout)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()  # every queued save reaches the store first
         with self._lock:
             if self in _Writer.registry:
                 _Writer.registry.remove(self)
@@ -250,6 +276,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._lookup_pool: ThreadPoolExecutor | None = None
+        # verified pages wait in memory for their request's admission: bound how many requests' pages
+        self._max_pending = 2 * vllm_config.scheduler_config.max_num_seqs
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()
@@ -286,6 +314,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
+                if self._pending() >= self._max_pending:
+                    return None, False  # enough pages held for requests not yet admitted: ask later
                 self._salts[req_id] = getattr(request, "cache_salt", None)
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
@@ -294,13 +324,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
-            with self._stats_lock:
-                self._stats.record_lookup(hit.matched, hit.start, hit.exact_state)
+            self._count("lookups")
+            if hit.matched and not hit.start:  # nothing to load: the whole match is replayed
+                self._record_hit(hit)
         elif hit.start and hit.resume is None:
             # Asked again after its load went out: vLLM preempted the request or its load failed,
             # and its computed tokens are gone. The pages left with the load: compute it in full.
             hit.start, hit.exact_state = 0, False
         return hit.start, hit.start > 0
+
+    def _pending(self) -> int:
+        """Lookups running or holding verified pages for requests not yet admitted."""
+        return len(self._lookups) + sum(hit.resume is not None for hit in self._hits.values())
+
+    def _record_hit(self, hit: _Hit) -> None:
+        with self._stats_lock:
+            self._stats.record_hit(hit.matched, hit.start, hit.exact_state)
 
     @_timed("lookup_seconds")
     def _look_up(self, request) -> _Hit:
@@ -334,9 +373,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed("hook_seconds")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if not num_external_tokens:  # no load, or the second call once a load is done
-            return
         hit = self._hits.get(request.request_id)
+        if not num_external_tokens:  # no load, or the second call once a load is done
+            if hit is not None and hit.resume is not None:  # vLLM declined the load: free the pages
+                hit.start, hit.exact_state, hit.resume = 0, False, None
+                self._record_hit(hit)
+            return
         if hit is None or hit.start != num_external_tokens or hit.resume is None:
             # vLLM now waits for a load this connector cannot make: report it failed rather than
             # leave the request waiting for ever; vLLM then computes it in full.
@@ -348,6 +390,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         ids = blocks.get_block_ids()
         resume, hit.resume = hit.resume, None  # the pages leave with the load
+        self._record_hit(hit)  # reuse counts once the load is made, not when it was found
         self._loads[request.request_id] = LoadOp(
             request.request_id,
             resume.blocks,
@@ -476,6 +519,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._writer = _Writer()
         for save in meta.saves:
             try:
+                if self._writer.full():  # checked before the pages are copied out
+                    self._count("saves_dropped")
+                    continue
                 self._writer.submit(self._snapshot(save))
             except Exception:  # a cache that cannot be written costs reuse later, never this request
                 log.exception("hybridkv: saving a prompt of %d tokens failed", len(save.tokens))
@@ -497,10 +543,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         }
 
         def write() -> None:
-            state_at = None
-            if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt):
-                state_at = len(save.tokens)
-            self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt)
+            began = time.perf_counter()
+            try:
+                state_at = None
+                if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt):
+                    state_at = len(save.tokens)
+                self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt)
+            finally:
+                self._count("write_seconds", time.perf_counter() - began)
 
         return write
 

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 COUNTERS = {
     "lookups": "Requests the connector looked up in its store.",
-    "hits": "Requests with a stored prefix (any matched tokens).",
+    "hits": "Requests admitted with a stored prefix (any matched tokens), counted when their load is made.",
     "exact_states": "Hits resumed from an exact stored linear-state checkpoint.",
     "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
     "tokens_replayed": "Matched prompt tokens recomputed anyway (the tail replay).",
@@ -26,6 +26,8 @@ COUNTERS = {
     "hook_seconds": "Seconds in the connector's hooks on the engine loop, page copies excluded.",
     "copy_seconds": "Seconds copying pages into vLLM's cache (loads) and out of it (saves).",
     "lookup_seconds": "Seconds of lookups (hashing, store reads, verification) on the lookup thread.",
+    "write_seconds": "Seconds writing saved prompts (hashing, encoding, store puts) on the writer thread.",
+    "saves_dropped": "Prompts not saved because the writer's backlog was full (a slow or stalled store).",
 }
 REPLAY_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STORE_ERROR_KINDS = ("get_errors", "put_errors", "delete_errors", "corrupt", "skipped_while_down")
@@ -46,8 +48,8 @@ class HybridKVStats(KVConnectorStats):
     def count(self, name: str, value: float = 1) -> None:
         self.data["counters"][name] += value
 
-    def record_lookup(self, matched: int, reused: int, exact_state: bool) -> None:
-        self.count("lookups")
+    def record_hit(self, matched: int, reused: int, exact_state: bool) -> None:
+        """A request admitted with `matched` stored tokens, `reused` of them loaded."""
         if matched:
             self.count("hits")
             self.count("exact_states", int(exact_state))
