@@ -222,3 +222,14 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     assert written == ["first", "later"] + ["queued"] * _Writer.MAX_BACKLOG
     writer.close()
     assert writer not in _Writer.registry
+
+
+def test_a_bench_model_directory_holding_another_bench_model_is_refused(tmp_path):
+    pytest.importorskip("vllm")
+    from hybridkv.errors import HybridKVError
+    from hybridkv.integrations.vllm.models import write_servable
+
+    path = write_servable(tmp_path / "model", "grid-640")
+    assert write_servable(path, "grid-640") == path  # the same model: reused as written
+    with pytest.raises(HybridKVError, match="holds another model than grid-2048"):
+        write_servable(path, "grid-2048")  # its grid would silently be 640, not 2,176

@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import statistics
+import uuid
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -99,8 +100,12 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
             if store is None:
                 shutil.rmtree(out / "store", ignore_errors=True)
                 store = f"file://{(out / 'store').resolve()}"
-            spec = ServerSpec(plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed)
             label = config if budget is None else f"{config}@{budget}"
+            # a namespace per run: a store given with --store starts empty for every budget and rerun
+            namespace = f"vllm-bench:{label}:{uuid.uuid4().hex}"
+            spec = ServerSpec(
+                plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed, namespace
+            )
             progress.set_postfix_str(f"{label}: starting vllm serve")
             with ExitStack() as stack:
                 servers = [

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedConfig
 
+from hybridkv.errors import HybridKVError
 from hybridkv.models.arch import by_name
 
 CPU_BLOCK_ALIGN = 128  # vLLM's CPU backend: its default block size, which the alignment keeps a multiple of
@@ -63,6 +64,7 @@ BENCH_MODELS = {
     )
 }
 DEFAULT_BENCH_MODEL = "grid-2048"
+_SAVE_ONLY = {"architectures", "dtype", "torch_dtype", "transformers_version"}  # set by save_pretrained
 
 
 def gdn_grid_block(config: PreTrainedConfig, align: int = CPU_BLOCK_ALIGN) -> int:
@@ -84,7 +86,14 @@ def write_servable(path: str | Path, model: str = DEFAULT_BENCH_MODEL, seed: int
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    if (path / "config.json").exists():
+    if (path / "config.json").exists():  # written before: it must be this very model
+        import json
+
+        want = BENCH_MODELS[model].config().to_diff_dict()
+        have = json.loads((path / "config.json").read_text())
+        differ = sorted(k for k, v in want.items() if k not in _SAVE_ONLY and have.get(k) != v)
+        if differ:
+            raise HybridKVError(f"{path} holds another model than {model} ({', '.join(differ[:4])} differ)")
         return path
     torch.manual_seed(seed)
     weights = AutoModelForCausalLM.from_config(BENCH_MODELS[model].config()).to(torch.bfloat16)

@@ -12,6 +12,7 @@ token's top-k logprobs (as `token_id:N`), the prompt tokens vLLM's own prefix ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -58,6 +59,7 @@ class ServerSpec:
     budget: str = "0.05"
     top_logprobs: int = 20
     seed: int = 0
+    namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -82,7 +84,11 @@ class ServerSpec:
                 "kv_connector_module_path": _CONNECTOR,
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"store": self.store, "replay_budget": self.budget},
+                "kv_connector_extra_config": {
+                    "store": self.store,
+                    "replay_budget": self.budget,
+                    "cache_salt": self.namespace,
+                },
             }
             if self.budget == ADAPTIVE:
                 transfer["kv_connector_extra_config"] |= {"replay_budget": "1.0", "replay_horizon": "calibrated"}
@@ -159,13 +165,18 @@ class Server:
     def stop(self) -> None:
         import signal
 
-        if self._process is None or self._process.poll() is not None:
+        if self._process is None:
             return
-        os.killpg(self._process.pid, signal.SIGTERM)
+
+        def signal_group(sig: int) -> None:  # the engine process may outlive an API server that exited
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, sig)
+
+        signal_group(signal.SIGTERM)
         try:
             self._process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(self._process.pid, signal.SIGKILL)
+            signal_group(signal.SIGKILL)
             self._process.wait()
 
     def metrics(self, prefix: str = "vllm:hybridkv_") -> dict[str, float]:
