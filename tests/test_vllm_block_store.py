@@ -72,6 +72,33 @@ def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
     assert (resume.start, resume.states) == (38, None) and len(resume.blocks) == 3
 
 
+def test_pages_of_a_zero_state_replay_never_pass_for_an_exact_resume(blocks):
+    """Turn 2 of a conversation resumed from a zero state: its KV after the replay start and its
+    final state are approximate. Turn 3 still loads them (a better seed than zeros), but the
+    resume says it is not exact; an exactly computed turn says it is."""
+    turn2 = list(range(5, 45))
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    blocks.save_state(turn2, len(turn2), state, exact=False)
+    blocks.save_blocks(turn2, 0, pages_for(turn2), state_at=len(turn2), exact=False)
+    resume = blocks.resume(turn2 + [1, 2, 3], LAYOUT, STATES, Budget(fraction=0.05))
+    assert (resume.start, resume.exact) == (40, False) and resume.states is not None
+    exact = list(range(100, 140))
+    blocks.save_state(exact, len(exact), state)
+    blocks.save_blocks(exact, 0, pages_for(exact), state_at=len(exact))
+    assert blocks.resume(exact + [1], LAYOUT, STATES, Budget(fraction=0.05)).exact
+    # an exact state on inexact blocks is no exact resume either
+    mixed = list(range(200, 240))
+    blocks.save_blocks(mixed, 0, pages_for(mixed)[:1], exact=False)
+    blocks.save_blocks(mixed, 1, pages_for(mixed, first=1), state_at=len(mixed))
+    blocks.save_state(mixed, len(mixed), state)
+    resume = blocks.resume(mixed + [1], LAYOUT, STATES, Budget(fraction=0.05))
+    assert resume.start == 40 and resume.states is not None and not resume.exact
+    # a zero-state tail replay is never exact; a full replay (nothing loaded) is
+    assert blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=1.0)).exact
+    zero = blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=0.1))
+    assert zero.start > 0 and zero.states is None and not zero.exact
+
+
 def test_corrupt_or_foreign_entries_shorten_the_match_and_are_removed(blocks):
     prompt = list(range(3, 60))
     blocks.save_blocks(prompt, 0, pages_for(prompt))

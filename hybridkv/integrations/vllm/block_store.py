@@ -39,6 +39,7 @@ class BlockMatch:
     length: int = 0  # tokens matched, at token granularity
     blocks: list[Pages] = field(default_factory=list)  # pages of the blocks covering [0, length)
     checkpoints: list[int] = field(default_factory=list)  # positions ≤ length with a stored state
+    exact: list[bool] = field(default_factory=list)  # per block: computed exactly (see BlockStore)
 
 
 @dataclass
@@ -50,12 +51,17 @@ class Resume:
     start: int
     blocks: list[Pages]
     states: Pages | None
+    exact: bool = True  # everything loaded was computed exactly: the resume equals a full prefill
 
 
 class BlockStore:
     """Blocks and states of one engine (`fingerprint`), in the namespace of the engine's `salt`;
     a request's own salt (vLLM's per-request `cache_salt`, one per tenant) opens a namespace inside
-    it, so two tenants never read each other's pages."""
+    it, so two tenants never read each other's pages.
+
+    A prompt resumed from a zero state (a tail replay) computed its later KV and its final state
+    approximately; what it saves is marked inexact, and a resume that loads anything inexact is
+    reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
@@ -80,24 +86,29 @@ class BlockStore:
     # -- writing -----------------------------------------------------------------------------
 
     def save_blocks(
-        self, tokens: list[int], first: int, pages: list[Pages], state_at: int | None = None, salt: str | None = None
-    ) -> int:
+        self, tokens: list[int], first: int, pages: list[Pages], state_at: int | None = None, salt: str | None = None,
+        exact: bool = True,
+    ) -> int:  # fmt: skip
         """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
-        stored at that position (inside the last block). Returns how many writes succeeded."""
+        stored at that position (inside the last block); `exact`: whether the prompt was computed
+        exactly. Returns how many writes succeeded."""
         keys = self.block_keys(tokens, salt)
         written = 0
         for index, block in enumerate(pages, start=first):
             start = index * self.block_size
             end = min(start + self.block_size, len(tokens))
-            meta = {"start": start, "tokens": tokens[start:end]}
+            meta = {"start": start, "tokens": tokens[start:end], "exact": exact}
             if state_at is not None and start < state_at <= end:
                 meta["checkpoint"] = state_at
             written += self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block)))
         return written
 
-    def save_state(self, tokens: list[int], position: int, pages: Pages, salt: str | None = None) -> bool:
+    def save_state(
+        self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
+    ) -> bool:
         key = self.state_key(tokens, position, salt)
-        return self.store.put(key, encode(Entry("vllm-state", self.fingerprint, key, {"position": position}, pages)))
+        meta = {"position": position, "exact": exact}
+        return self.store.put(key, encode(Entry("vllm-state", self.fingerprint, key, meta, pages)))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -123,6 +134,7 @@ class BlockStore:
             if common == 0:
                 break
             found.blocks.append(entry.tensors)
+            found.exact.append(entry.meta.get("exact") is not False)
             found.length = start + common
             checkpoint = entry.meta.get("checkpoint")
             if isinstance(checkpoint, int) and start < checkpoint <= found.length:
@@ -144,17 +156,18 @@ class BlockStore:
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
         recipe = SeededReplay().recipe(StoredMatch(found.length, tuple(found.checkpoints)), budget)
-        start, states = recipe.state_position, None
+        start, states, exact_states = recipe.state_position, None, False
         if recipe.state_seed:
             entry = self._read(self.state_key(tokens, start, salt), "vllm-state")
             if entry is not None and dict(_sizes(entry.tensors)) == state_layout:
-                states = entry.tensors
+                states, exact_states = entry.tensors, entry.meta.get("exact") is not False
             else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
                 if entry is not None:
                     self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
                 start = SeededReplay().recipe(StoredMatch(found.length), budget).state_position
-        blocks = found.blocks[: -(-start // self.block_size)] if start else []
-        return Resume(found.length, start, blocks, states)
+        loaded = -(-start // self.block_size) if start else 0
+        exact = start == 0 or (exact_states and all(found.exact[:loaded]))
+        return Resume(found.length, start, found.blocks[:loaded], states, exact)
 
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:

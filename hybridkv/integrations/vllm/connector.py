@@ -86,6 +86,7 @@ class SaveOp:
     attention_blocks: dict[int, list[int]]  # attention group -> the prompt's block ids
     state_slots: dict[int, int]
     salt: str | None = None  # the request's cache_salt
+    exact: bool = True  # False: the prompt was resumed from a zero state, its pages are approximate
 
 
 @dataclass
@@ -98,7 +99,7 @@ class HybridKVMetadata(KVConnectorMetadata):
 class _Hit:  # scheduler-side record of a request's lookup, with its verified pages until loaded
     matched: int
     start: int
-    exact_state: bool = False
+    exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
     resume: Resume | None = None
 
 
@@ -108,6 +109,7 @@ class _Tracked:  # scheduler-side view of a running request, until its prefill i
     block_ids: list[list[int]]
     first_block: int
     salt: str | None
+    exact: bool = True
     saved: bool = False
 
 
@@ -351,7 +353,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 list(request.prompt_token_ids), attention, states, self._request_budget(request),
                 getattr(request, "cache_salt", None), self.horizon,
             )  # fmt: skip
-            return _Hit(resume.matched, resume.start, resume.states is not None, resume if resume.start else None)
+            exact_state = resume.states is not None and resume.exact
+            return _Hit(resume.matched, resume.start, exact_state, resume if resume.start else None)
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
             return _Hit(0, 0)
@@ -409,9 +412,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # a resumed request sent again as new (vLLM's V2 runner): its prompt is stored
             hit = self._hits.get(new.req_id)
             matched = hit.matched if hit is not None else 0
+            exact = hit is None or not hit.start or hit.exact_state  # a zero-state replay is approximate
             self._tracked[new.req_id] = _Tracked(
                 list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
-                self._salts.get(new.req_id),
+                self._salts.get(new.req_id), exact,
             )  # fmt: skip
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
@@ -445,6 +449,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
                 {g: tracked.block_ids[g][0] for g in self.mamba_groups} if self.save_states else {},
                 tracked.salt,
+                tracked.exact,
             )
         )
 
@@ -546,9 +551,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             began = time.perf_counter()
             try:
                 state_at = None
-                if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt):
+                if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt, save.exact):
                     state_at = len(save.tokens)
-                self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt)
+                self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt, save.exact)
             finally:
                 self._count("write_seconds", time.perf_counter() - began)
 
