@@ -102,6 +102,16 @@ def test_round_trip_of_byte_payloads(store):
     assert store.stats()["entries"] == len(payloads) - 1
 
 
+def test_a_batched_read_equals_one_read_per_key(store):
+    from hybridkv.store.base import get_many
+
+    keys = [hex_key(f"batch {i}") for i in range(5)]
+    for key in keys[::2]:
+        store.put(key, key.encode() * 3)
+    assert get_many(store, keys) == [store.get(key) for key in keys]
+    assert get_many(store, keys)[1] is None and get_many(store, []) == []
+
+
 def test_absent_key_is_none(store):
     assert store.get(hex_key("absent")) is None
 

@@ -198,7 +198,8 @@ def test_guarded_store_on_a_dead_server_never_raises(ledger):
     ledger.check(every_time.get("ab" * 32) is None, "get")
     ledger.check(every_time.put("ab" * 32, b"x") is False, "put")
     every_time.delete("ab" * 32)
-    assert every_time.counts["get_errors"] == 1
+    ledger.check(every_time.get_many(["ab" * 32, "cd" * 32]) == [None, None], "get_many")
+    assert every_time.counts["get_errors"] == 2
     assert every_time.counts["put_errors"] == 1
     assert every_time.counts["delete_errors"] == 1
     # With the default back-off, one failure and the server is left alone for a while.

@@ -23,3 +23,10 @@ class Store(Protocol):
         """Remove every hybridkv entry; returns how many were removed."""
 
     def close(self) -> None: ...
+
+
+def get_many(store: Store, keys: list[str]) -> list[bytes | None]:
+    """The bytes under each key, in one round trip where the backend has one (its own
+    `get_many`, e.g. redis MGET), else one `get` per key."""
+    many = getattr(store, "get_many", None)
+    return many(keys) if many is not None else [store.get(key) for key in keys]

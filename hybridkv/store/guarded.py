@@ -13,7 +13,7 @@ import time
 from collections import Counter
 
 from hybridkv.errors import CorruptEntry, StoreError
-from hybridkv.store.base import Store
+from hybridkv.store.base import Store, get_many
 from hybridkv.store.codec import Entry, decode
 
 log = logging.getLogger("hybridkv.store")
@@ -59,6 +59,21 @@ class GuardedStore:
         self.counts["hits" if data is not None else "misses"] += 1
         return data
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """`get` of every key, in one round trip where the backend has one."""
+        if not self._available("get"):
+            self.counts["skipped_while_down"] += len(keys)
+            return [None] * len(keys)
+        try:
+            found = get_many(self.inner, keys)
+        except (StoreError, OSError) as err:
+            self._failed("get_errors", err, "get")
+            return [None] * len(keys)
+        hits = sum(data is not None for data in found)
+        self.counts["hits"] += hits
+        self.counts["misses"] += len(keys) - hits
+        return found
+
     def put(self, key: str, data: bytes) -> bool:
         if not self._available("put"):
             self.counts["skipped_while_down"] += 1
@@ -86,7 +101,13 @@ class GuardedStore:
     def read_entry(self, key: str, kind: str, fingerprint: str) -> Entry | None:
         """The verified entry of `kind` under `key`, or None — missing, unreachable, or corrupt
         (then removed)."""
-        data = self.get(key)
+        return self._verified(key, self.get(key), kind, fingerprint)
+
+    def read_entries(self, keys: list[str], kind: str, fingerprint: str) -> list[Entry | None]:
+        """`read_entry` of every key, read in one round trip where the backend has one."""
+        return [self._verified(k, data, kind, fingerprint) for k, data in zip(keys, self.get_many(keys), strict=True)]
+
+    def _verified(self, key: str, data: bytes | None, kind: str, fingerprint: str) -> Entry | None:
         if data is None:
             return None
         try:

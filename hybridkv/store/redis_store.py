@@ -63,6 +63,9 @@ class RedisStore:
     def get(self, key: str) -> bytes | None:
         return self._call(self._client.get, NAMESPACE + key)
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._call(self._client.mget, [NAMESPACE + key for key in keys]) if keys else []
+
     def put(self, key: str, data: bytes) -> None:
         self._call(self._client.set, NAMESPACE + key, data)
 

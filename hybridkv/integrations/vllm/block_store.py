@@ -63,6 +63,8 @@ class BlockStore:
     approximately; what it saves is marked inexact, and a resume that loads anything inexact is
     reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
+    READ_BATCH = 8  # blocks per store round trip, at most
+
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
         self.fingerprint = fingerprint
@@ -121,8 +123,7 @@ class BlockStore:
         limit = len(tokens) - 1
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
         found = BlockMatch()
-        for index, key in enumerate(self.block_keys(tokens[:limit], salt)):
-            entry = self._read(key, "vllm-kv")
+        for index, key, entry in self._blocks_in_batches(self.block_keys(tokens[:limit], salt)):
             if entry is None:
                 break
             stored = entry.meta.get("tokens")
@@ -142,6 +143,16 @@ class BlockStore:
             if common < self.block_size:
                 break
         return found
+
+    def _blocks_in_batches(self, keys: list[str]):
+        """(index, key, entry) of each block in order, read 1, 2, 4, then 8 at a time: one round
+        trip per batch, and at most a few blocks read past where a match ends."""
+        index, size = 0, 1
+        while index < len(keys):
+            batch = keys[index : index + size]
+            for offset, entry in enumerate(self.store.read_entries(batch, "vllm-kv", self.fingerprint)):
+                yield index + offset, batch[offset], entry
+            index, size = index + len(batch), min(2 * size, self.READ_BATCH)
 
     def resume(
         self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget,
