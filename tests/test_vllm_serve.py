@@ -141,13 +141,15 @@ def test_a_store_killed_under_16_clients_leaves_every_request_answered_and_count
         assert max(abs(g.logprobs[t] - w.logprobs[t]) for t in common) < BF16_LOGPROB_TOL
 
 
+@pytest.mark.parametrize("backend", ["redis", "lmcache"])
 def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_pages(
-    production, redis_server, tmp_path
+    production, redis_server, tmp_path, backend
 ):
-    """Two vllm serve processes on one redis: each turn of a conversation goes to the other server,
+    """Two vllm serve processes on one store (a redis server, or LMCache's own server through
+    `lmcache://lm://`): each turn of a conversation goes to the other server,
     which resumes exactly from the state the first one stored after the last turn. A server writes
-    a prompt's pages just after answering it (off the request path), so the next turn is sent half
-    few seconds later, as a user would (a write takes milliseconds); sent at once it may find the
+    a prompt's pages just after answering it (off the request path), so the next turn is sent two
+    seconds later, as a user would (a write takes milliseconds); sent at once it may find the
     pages still being written."""
     import asyncio
     import random
@@ -158,7 +160,12 @@ def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_p
     turn = [rng.randrange(3, 500) for _ in range(800)]
     conversation = [turn, turn + [rng.randrange(3, 500) for _ in range(120)]]
     conversation.append(conversation[1] + [rng.randrange(3, 500) for _ in range(90)])
-    spec = ServerSpec(str(production), "hybridkv", 4096, redis_server.url)
+    lmcache = None
+    if backend == "lmcache":
+        from tests.test_lmcache_store import LMCacheServer
+
+        lmcache = LMCacheServer()
+    spec = ServerSpec(str(production), "hybridkv", 4096, redis_server.url if lmcache is None else lmcache.url)
 
     async def talk(urls):
         replies = []
@@ -168,8 +175,12 @@ def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_p
                 await asyncio.sleep(2.0)
         return replies
 
-    with Server(spec, tmp_path / "a.log") as first, Server(spec, tmp_path / "b.log") as second:
-        replies = asyncio.run(talk([first.url, second.url]))
+    try:
+        with Server(spec, tmp_path / "a.log") as first, Server(spec, tmp_path / "b.log") as second:
+            replies = asyncio.run(talk([first.url, second.url]))
+    finally:
+        if lmcache is not None:
+            lmcache.kill()
     assert replies[0].hybridkv["matched"] == 0
     assert replies[1].hybridkv == {"matched": 800, "reused": 800, "exact_state": True}  # on the other server
     assert replies[2].hybridkv == {"matched": 920, "reused": 920, "exact_state": True}  # and back
