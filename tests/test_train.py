@@ -273,6 +273,11 @@ def test_a_shape_override_trains_exports_and_loads_as_that_shape(tmp_path):
     with pytest.raises(HybridKVError, match="no config field kv_lora_rnk"):
         train(dataclasses.replace(run, run_dir=tmp_path / "bad", shape={"kv_lora_rnk": 96}))
     assert not (tmp_path / "bad").exists()
+    # Resumed without its --shape, the run is refused and its record is left as it was.
+    recorded = (tmp_path / "run" / "train_config.json").read_text()
+    with pytest.raises(HybridKVError, match="resume it with the same"):
+        train(dataclasses.replace(run, shape={}, schedule=((512, 2),)))
+    assert (tmp_path / "run" / "train_config.json").read_text() == recorded
 
 
 def load_weights_file(path) -> dict[str, torch.Tensor]:

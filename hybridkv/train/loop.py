@@ -280,6 +280,24 @@ def _git_commit() -> str | None:
     return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else None
 
 
+def _check_resume_shape(config: TrainConfig) -> None:
+    """A checkpoint resumes only as the model it was trained as: a different --model or --shape
+    whose tensors happen to fit would otherwise train and export under another config."""
+    recorded = config.run_dir / "train_config.json"
+    if not (_checkpoint_dir(config.run_dir).exists() and recorded.is_file()):
+        return
+    try:
+        was = json.loads(recorded.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise HybridKVError(f"{recorded}: unreadable ({err}); cannot check what the run was trained as") from None
+    before, now = (was.get("model"), was.get("shape") or {}), (config.model, config.shape or {})
+    if before != now:
+        raise HybridKVError(
+            f"{config.run_dir} was trained as {before[0]} with --shape {json.dumps(before[1])}; "
+            f"resume it with the same (got {now[0]} with --shape {json.dumps(now[1])})"
+        )
+
+
 def train(config: TrainConfig) -> Path:
     if config.model not in TRAINABLE:
         raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
@@ -289,6 +307,7 @@ def train(config: TrainConfig) -> Path:
     if config.threads:
         torch.set_num_threads(config.threads)
     run_dir = config.run_dir
+    _check_resume_shape(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train_config.json").write_text(json.dumps(asdict(config), default=str, indent=1))
     torch.manual_seed(config.seed)
