@@ -228,6 +228,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 "HybridKVConnector needs vLLM's own prefix cache off (--no-enable-prefix-caching): with it on, "
                 "vLLM would hash the linear state the connector writes as its own exact state"
             )
+        # Keys are token ids under the engine's fingerprint: anything else that changes a page's
+        # contents for the same tokens would share keys and read another's pages (per request, a
+        # LoRA adapter or multimodal inputs: such requests are neither looked up nor saved).
+        if vllm_config.parallel_config.world_size > 1:
+            raise HybridKVError(
+                "HybridKVConnector runs on one rank only: under tensor or pipeline parallelism every rank "
+                "would store its own shard of a page under the same key"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.budget = Budget.parse(str(extra.get("replay_budget", 0.05)))
         self.save_states = bool(extra.get("save_states", True))
@@ -277,6 +285,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
+        self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
         self._lookup_pool: ThreadPoolExecutor | None = None
         # verified pages wait in memory for their request's admission: bound how many requests' pages
         self._max_pending = 2 * vllm_config.scheduler_config.max_num_seqs
@@ -313,6 +322,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if num_computed_tokens:  # only with vLLM's prefix cache, which __init__ refuses
             return 0, False
         req_id = request.request_id
+        if getattr(request, "lora_request", None) is not None or getattr(request, "mm_features", None):
+            self._uncacheable.add(req_id)  # its pages depend on more than its token ids
+            return 0, False
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
@@ -408,6 +420,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A request loading asynchronously is not scheduled in the step its blocks were allocated.
         meta.loads, self._loads = list(self._loads.values()), {}
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._uncacheable:
+                continue
             if (earlier := self._tracked.get(new.req_id)) is not None and earlier.saved:
                 continue  # a resumed request sent again as new (vLLM's V2 runner): its prompt is stored
             hit = self._hits.get(new.req_id)
@@ -454,6 +468,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def _forget(self, req_id: str) -> dict | None:
+        self._uncacheable.discard(req_id)
         self._tracked.pop(req_id, None)
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
