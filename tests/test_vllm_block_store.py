@@ -93,10 +93,55 @@ def test_pages_of_a_zero_state_replay_never_pass_for_an_exact_resume(blocks):
     blocks.save_state(mixed, len(mixed), state)
     resume = blocks.resume(mixed + [1], LAYOUT, STATES, Budget(fraction=0.05))
     assert resume.start == 40 and resume.states is not None and not resume.exact
+    # an inexact state on exact blocks is no exact resume either
+    late = list(range(400, 440))
+    blocks.save_blocks(late, 0, pages_for(late), state_at=len(late))
+    blocks.save_state(late, len(late), state, exact=False)
+    resume = blocks.resume(late + [1], LAYOUT, STATES, Budget(fraction=0.05))
+    assert resume.start == 40 and resume.states is not None and not resume.exact
     # a zero-state tail replay is never exact; a full replay (nothing loaded) is
     assert blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=1.0)).exact
     zero = blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=0.1))
     assert zero.start > 0 and zero.states is None and not zero.exact
+
+
+class _RoundTrips(MemoryStore):
+    """A memory store that reads several keys at once, as redis's MGET does, counting round trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trips = 0
+
+    def get(self, key: str) -> bytes | None:
+        self.trips += 1
+        return super().get(key)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        self.trips += 1
+        return [MemoryStore.get(self, key) for key in keys]
+
+
+def test_a_batched_backend_reads_the_same_match_in_fewer_round_trips_and_verifies_only_what_it_uses():
+    prompt = list(range(3, 3 + 20 * BLOCK))  # 20 blocks
+    batched = BlockStore(GuardedStore(_RoundTrips()), "ab" * 32, BLOCK)
+    single = BlockStore(GuardedStore(MemoryStore()), "ab" * 32, BLOCK)
+    for store in (batched, single):
+        store.save_blocks(prompt, 0, pages_for(prompt))
+    batched.store.inner.trips = 0
+    want, got = single.match(prompt + [1], LAYOUT), batched.match(prompt + [1], LAYOUT)
+    assert got.length == want.length == len(prompt) and len(got.blocks) == 20
+    assert all(torch.equal(a["attn.0"], b["attn.0"]) for a, b in zip(got.blocks, want.blocks, strict=True))
+    assert batched.store.inner.trips == 5  # 1 + 2 + 4 + 8 + 5 blocks
+    # A match ending inside a batch (blocks 3-6 are read together) leaves the batch's later entries
+    # unverified: corrupt blocks 4 and 6, and only block 4 is counted and removed.
+    keys = batched.block_keys(prompt)
+    for index in (4, 6):
+        data = bytearray(batched.store.inner.get(keys[index]))
+        data[-40] ^= 0xFF
+        batched.store.inner.put(keys[index], bytes(data))
+    assert batched.match(prompt + [1], LAYOUT).length == 4 * BLOCK
+    assert batched.store.stats()["corrupt"] == 1
+    assert batched.store.inner.get(keys[4]) is None and batched.store.inner.get(keys[6]) is not None
 
 
 def test_corrupt_or_foreign_entries_shorten_the_match_and_are_removed(blocks):
@@ -233,13 +278,10 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     writer.submit(lambda: (first.wait(10), written.append("first")))
     writer.submit(lambda: 1 / 0)  # a failing save
     assert not writer.drain(timeout=0.2)  # the first save is still held
-    drained: list[bool] = []
-    waiter = threading.Thread(target=lambda: drained.append(writer.drain(timeout=10)))
-    waiter.start()
+    mark = writer.mark()  # a drain begun now waits for these two saves
     writer.submit(lambda: (later_began.set(), later.wait(10), written.append("later")))  # after the drain began
     first.set()
-    waiter.join(10)
-    assert drained == [True] and written == ["first"]  # it did not wait for the later save
+    assert writer.wait(mark, timeout=10) and written == ["first"]  # it did not wait for the later save
     assert later_began.wait(10)  # the later save holds the thread; these queue behind it
     for _ in range(_Writer.MAX_BACKLOG):
         writer.submit(lambda: written.append("queued"))

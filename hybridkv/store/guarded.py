@@ -101,13 +101,16 @@ class GuardedStore:
     def read_entry(self, key: str, kind: str, fingerprint: str) -> Entry | None:
         """The verified entry of `kind` under `key`, or None — missing, unreachable, or corrupt
         (then removed)."""
-        return self._verified(key, self.get(key), kind, fingerprint)
+        return self.verified(key, self.get(key), kind, fingerprint)
 
-    def read_entries(self, keys: list[str], kind: str, fingerprint: str) -> list[Entry | None]:
-        """`read_entry` of every key, read in one round trip where the backend has one."""
-        return [self._verified(k, data, kind, fingerprint) for k, data in zip(keys, self.get_many(keys), strict=True)]
+    @property
+    def batched(self) -> bool:
+        """Whether the backend reads several keys in one round trip (else get_many gets one by one)."""
+        return hasattr(self.inner, "get_many")
 
-    def _verified(self, key: str, data: bytes | None, kind: str, fingerprint: str) -> Entry | None:
+    def verified(self, key: str, data: bytes | None, kind: str, fingerprint: str) -> Entry | None:
+        """`data` read under `key` as a verified entry of `kind`, or None (missing, or corrupt:
+        then removed)."""
         if data is None:
             return None
         try:

@@ -145,14 +145,17 @@ class BlockStore:
         return found
 
     def _blocks_in_batches(self, keys: list[str]):
-        """(index, key, entry) of each block in order, read 1, 2, 4, then 8 at a time: one round
-        trip per batch, and at most a few blocks read past where a match ends."""
+        """(index, key, entry) of each block in order. A backend with batched reads is read 1, 2,
+        4, then 8 keys per round trip (at most a few blocks read past where a match ends); each
+        entry is verified only when the match reaches it."""
         index, size = 0, 1
+        grow = self.READ_BATCH if self.store.batched else 1
         while index < len(keys):
             batch = keys[index : index + size]
-            for offset, entry in enumerate(self.store.read_entries(batch, "vllm-kv", self.fingerprint)):
-                yield index + offset, batch[offset], entry
-            index, size = index + len(batch), min(2 * size, self.READ_BATCH)
+            for key, data in zip(batch, self.store.get_many(batch), strict=True):
+                yield index, key, self.store.verified(key, data, "vllm-kv", self.fingerprint)
+                index += 1
+            size = min(2 * size, grow)
 
     def resume(
         self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget,

@@ -165,11 +165,19 @@ class _Writer:
             self._submitted += 1
             self._cond.notify_all()
 
+    def mark(self) -> int:
+        """How many writes were submitted so far: what a drain begun now waits for."""
+        with self._cond:
+            return self._submitted
+
+    def wait(self, mark: int, timeout: float | None = DRAIN_TIMEOUT_S) -> bool:
+        """Wait until the first `mark` writes are done; False if `timeout` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._completed >= mark, timeout)
+
     def drain(self, timeout: float | None = DRAIN_TIMEOUT_S) -> bool:
         """Wait until the writes submitted before this call are done; False if `timeout` passed."""
-        with self._cond:
-            target = self._submitted
-            return self._cond.wait_for(lambda: self._completed >= target, timeout)
+        return self.wait(self.mark(), timeout)
 
     def close(self) -> None:
         with self._cond:
@@ -289,6 +297,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_pool: ThreadPoolExecutor | None = None
         # verified pages wait in memory for their request's admission: bound how many requests' pages
         self._max_pending = 2 * vllm_config.scheduler_config.max_num_seqs
+        self._held = 0  # hits holding verified pages
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()
@@ -322,13 +331,17 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if num_computed_tokens:  # only with vLLM's prefix cache, which __init__ refuses
             return 0, False
         req_id = request.request_id
-        if getattr(request, "lora_request", None) is not None or getattr(request, "mm_features", None):
+        if (
+            getattr(request, "lora_request", None) is not None
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             self._uncacheable.add(req_id)  # its pages depend on more than its token ids
             return 0, False
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
-                if self._pending() >= self._max_pending:
+                if len(self._lookups) + self._held >= self._max_pending:
                     return None, False  # enough pages held for requests not yet admitted: ask later
                 self._salts[req_id] = getattr(request, "cache_salt", None)
                 if self._lookup_pool is None:
@@ -338,6 +351,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
+            self._held += hit.resume is not None
             self._count("lookups")
             if hit.matched and not hit.start:  # nothing to load: the whole match is replayed
                 self._record_hit(hit)
@@ -347,9 +361,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             hit.start, hit.exact_state = 0, False
         return hit.start, hit.start > 0
 
-    def _pending(self) -> int:
-        """Lookups running or holding verified pages for requests not yet admitted."""
-        return len(self._lookups) + sum(hit.resume is not None for hit in self._hits.values())
+    def _take_pages(self, hit: _Hit) -> Resume | None:
+        """The hit's verified pages, which leave it (loaded, declined or dropped)."""
+        resume, hit.resume = hit.resume, None
+        self._held -= resume is not None
+        return resume
 
     def _record_hit(self, hit: _Hit) -> None:
         with self._stats_lock:
@@ -390,8 +406,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
         if not num_external_tokens:  # no load, or the second call once a load is done
-            if hit is not None and hit.resume is not None:  # vLLM declined the load: free the pages
-                hit.start, hit.exact_state, hit.resume = 0, False, None
+            if hit is not None and self._take_pages(hit) is not None:  # vLLM declined the load
+                hit.start, hit.exact_state = 0, False
                 self._record_hit(hit)
             return
         if hit is None or hit.start != num_external_tokens or hit.resume is None:
@@ -401,10 +417,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                         request.request_id, num_external_tokens)  # fmt: skip
             self._loads[request.request_id] = LoadOp(request.request_id, [], None, {}, {}, failed=True)
             if hit is not None:
-                hit.start, hit.exact_state, hit.resume = 0, False, None
+                never_counted = self._take_pages(hit) is not None  # no load was made for it
+                hit.start, hit.exact_state = 0, False
+                if never_counted:
+                    self._record_hit(hit)
             return
         ids = blocks.get_block_ids()
-        resume, hit.resume = hit.resume, None  # the pages leave with the load
+        resume = self._take_pages(hit)  # the pages leave with the load
         self._record_hit(hit)  # reuse counts once the load is made, not when it was found
         self._loads[request.request_id] = LoadOp(
             request.request_id,
@@ -441,6 +460,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:
                     tracked.block_ids = [list(b) for b in new_ids]
+                    hit = self._hits.get(req_id)  # recomputed in full after a preemption: exact
+                    tracked.exact = hit is None or not hit.start or hit.exact_state
                 else:
                     for group, ids in enumerate(new_ids):
                         tracked.block_ids[group].extend(ids)
@@ -476,6 +497,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self._hits.pop(req_id, None)
         if hit is None:
             return None
+        self._take_pages(hit)
         return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
 
     @_timed("hook_seconds")
