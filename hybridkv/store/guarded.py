@@ -48,16 +48,7 @@ class GuardedStore:
         self._log_once(kind, f"{err}; treating as a miss and recomputing")
 
     def get(self, key: str) -> bytes | None:
-        if not self._available("get"):
-            self.counts["skipped_while_down"] += 1
-            return None
-        try:
-            data = self.inner.get(key)
-        except (StoreError, OSError) as err:
-            self._failed("get_errors", err, "get")
-            return None
-        self.counts["hits" if data is not None else "misses"] += 1
-        return data
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """`get` of every key, in one round trip where the backend has one."""
