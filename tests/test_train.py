@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -302,3 +303,30 @@ def test_only_glm5_attention_layers_get_an_indexer_loss():
         )
         assert len(recorder.handles) == expected and (expected > 0) == (name == "tiny-glm5-next")
         recorder.close()
+
+
+def test_two_documents_ask_as_agent_reports_asks_and_answer_from_two_documents():
+    """The training task for two-source questions uses the arena's own question template, and its
+    answer restates the second title before that title's fact, both facts stated in the documents."""
+    tokenizer = ByteTokenizer()
+    pattern = re.compile(
+        r"Question: What is the surveyed population of (.+), and the surveyed population of (.+)\?\n"
+        r"Answer: The surveyed population of (.+) is (\d+), and the surveyed population of (.+) is (\d+)\.\n$"
+    )
+    seen = 0
+    for index in range(400):
+        example = data.example(0, "train", 0, index, 2048, data.task_table(("two-documents:1",)))
+        text = tokenizer.decode(example.tokens)
+        found = pattern.search(text)
+        if not found:
+            continue
+        first, second, again, v1, restated, v2 = found.groups()
+        assert (again, restated) == (first, second) and first != second
+        question = agent_reports._QUESTION.format(first=first, second=second)
+        assert text[: found.start(4) - 1].endswith(question)
+        for title, value in ((first, v1), (second, v2)):
+            assert f"the surveyed population of {title} is {value}.".lower() in text[: found.start()].lower()
+        start, end = example.answers[0]
+        assert tokenizer.decode(example.tokens[start:end]).startswith(f" {v1}, and the surveyed population")
+        seen += 1
+    assert seen >= 3

@@ -405,13 +405,15 @@ ATTRIBUTES = (
 )
 
 
-def documents(rng: random.Random, length: int, two_titles: float = 0.3) -> Example | None:
+def documents(rng: random.Random, length: int, two_titles: float = 0.3, restated: bool = False) -> Example | None:
     """2 to 16 separately written documents (at most one per 200 tokens, of unequal lengths that
     fill the example), every one stating the same kind of fact about its own title, then a question
     about one or two of them: the shape of the arena's `rag`
     and `agent-reports` workloads (their phrasing, this module's titles, values and prose). With a
     fact of the same kind in every document, the answer needs the title matched, not the first
-    number found; a two-title question needs facts from two documents."""
+    number found; a two-title question needs facts from two documents. `restated` asks it as the
+    arena's `agent-reports` does, the answer naming each title again before its fact; without it,
+    the phrasing the shipped checkpoints were trained on ("The Xs of A and B are")."""
     count = rng.randint(2, max(2, min(16, length // 200)))
     attr = rng.choice(ATTRIBUTES)
     numbers = rng.random() < 0.8
@@ -430,13 +432,22 @@ def documents(rng: random.Random, length: int, two_titles: float = 0.3) -> Examp
     if len(asked) == 1:
         title = titles[asked[0]]
         question = f"Question: What is the {attr} of {title}?\nAnswer: The {attr} of {title} is"
+    elif restated:
+        first, second = (titles[i] for i in asked)
+        question = (
+            f"Question: What is the {attr} of {first}, and the {attr} of {second}?\n"
+            f"Answer: The {attr} of {first} is"
+        )
     else:
         first, second = (titles[i] for i in asked)
         question = (
             f"Question: What {attr}s are given for {first} and for {second}?\n"
             f"Answer: The {attr}s of {first} and {second} are"
         )
-    answer = " " + " and ".join(facts[i] for i in asked) + ".\n"
+    if len(asked) == 2 and restated:
+        answer = f" {facts[asked[0]]}, and the {attr} of {titles[asked[1]]} is {facts[asked[1]]}.\n"
+    else:
+        answer = " " + " and ".join(facts[i] for i in asked) + ".\n"
 
     def frame(index: int, body: str) -> str:
         if style == "document":
@@ -556,8 +567,8 @@ TASKS: dict[str, tuple[float, Generator]] = {
     # name it with a weight, e.g. `--tasks documents:0.35,niah:0.25,...`.
     "documents": (0.0, documents),
     # The same documents, with a question about two titles whenever there are three documents or
-    # more (the agent-reports shape: two facts from two documents, in the question's order).
-    "two-documents": (0.0, functools.partial(documents, two_titles=1.0)),
+    # more, asked as `agent-reports` asks (two facts from two documents, each title restated).
+    "two-documents": (0.0, functools.partial(documents, two_titles=1.0, restated=True)),
 }
 
 

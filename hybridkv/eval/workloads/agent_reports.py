@@ -22,7 +22,8 @@ from hybridkv.eval.workloads import Sample, largest_fitting, place_sentence
 from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_passage
 
 TASKS = ("agent-reports",)
-TOKENS_TO_GENERATE = {"agent-reports": 32}
+# The answer names the second region again before its figure (about 75 byte tokens in all).
+TOKENS_TO_GENERATE = {"agent-reports": 80}
 REPORT_TOKENS = 768
 HEADER = (
     "You are the orchestrator. Your sub-agents each surveyed one region and sent the reports below. "
@@ -37,9 +38,12 @@ _STEPS = (
     "cross-checked the {a} census",
     "visited the {a} depot",
 )
+# The answer restates each region before its figure: the second figure is then a lookup of a
+# region just written, as the first is, not a recall of a name a dozen tokens back ("The
+# populations of A and B are 1 and" left our tiny models repeating the first figure).
 _QUESTION = (
-    "Question: What surveyed populations did the agents report for {first} and for {second}?\n"
-    "Answer: The surveyed populations of {first} and {second} are"
+    "Question: What is the surveyed population of {first}, and the surveyed population of {second}?\n"
+    "Answer: The surveyed population of {first} is"
 )
 
 
