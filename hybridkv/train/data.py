@@ -435,8 +435,7 @@ def documents(rng: random.Random, length: int, two_titles: float = 0.3, restated
     elif restated:
         first, second = (titles[i] for i in asked)
         question = (
-            f"Question: What is the {attr} of {first}, and the {attr} of {second}?\n"
-            f"Answer: The {attr} of {first} is"
+            f"Question: What is the {attr} of {first}, and the {attr} of {second}?\nAnswer: The {attr} of {first} is"
         )
     else:
         first, second = (titles[i] for i in asked)
