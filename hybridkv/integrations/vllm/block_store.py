@@ -30,6 +30,7 @@ from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
 Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
+Layout = dict[str, int | None]  # layer name -> its page's bytes (None: not known on this side)
 
 
 @dataclass
@@ -117,9 +118,10 @@ class BlockStore:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def match(self, tokens: list[int], layout: dict[str, int], salt: str | None = None) -> BlockMatch:
+    def match(self, tokens: list[int], layout: Layout, salt: str | None = None) -> BlockMatch:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
-        `layout` maps each attention layer to its block's byte size; entries that disagree are corrupt."""
+        `layout` maps each attention layer to its block's byte size (None: any size, which the
+        worker checks when it copies the page); entries that disagree are corrupt."""
         limit = len(tokens) - 1
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
         found = BlockMatch()
@@ -127,7 +129,7 @@ class BlockStore:
             if entry is None:
                 break
             stored = entry.meta.get("tokens")
-            if not isinstance(stored, list) or dict(_sizes(entry.tensors)) != layout:
+            if not isinstance(stored, list) or not _fits(entry.tensors, layout):
                 self.store.corrupt(key, "block does not match this engine's attention layout")
                 break
             start = index * self.block_size
@@ -158,27 +160,32 @@ class BlockStore:
             size = min(2 * size, grow)
 
     def resume(
-        self, tokens: list[int], layout: dict[str, int], state_layout: dict[str, int], budget: Budget,
-        salt: str | None = None, horizon: int | None = None,
+        self, tokens: list[int], layout: Layout, state_layout: Layout, budget: Budget,
+        salt: str | None = None, horizon: int | None = None, alignment: int = 1,
     ) -> Resume:  # fmt: skip
         """Everything needed to resume `tokens`: the match, the start, the pages to load. A
         `horizon` (the model's calibrated forgetting horizon, `hybridkv calibrate`) caps the
-        budget's tail: the gates have forgotten the dropped state by then."""
+        budget's tail: the gates have forgotten the dropped state by then. The start is a multiple
+        of `alignment` (GLM-5.3-Flash's indexer pool: no pool in progress at the start), so a
+        checkpoint off that grid is not used and a zero-state start moves down onto it."""
         found = self.match(tokens, layout, salt)
         if horizon is not None:
             budget = Budget(tokens=min(horizon, budget.tail_tokens(found.length)))
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
-        recipe = SeededReplay().recipe(StoredMatch(found.length, tuple(found.checkpoints)), budget)
+        checkpoints = tuple(c for c in found.checkpoints if c % alignment == 0)
+        recipe = SeededReplay().recipe(StoredMatch(found.length, checkpoints), budget)
         start, states, exact_states = recipe.state_position, None, False
         if recipe.state_seed:
             entry = self._read(self.state_key(tokens, start, salt), "vllm-state")
-            if entry is not None and dict(_sizes(entry.tensors)) == state_layout:
+            if entry is not None and _fits(entry.tensors, state_layout):
                 states, exact_states = entry.tensors, entry.meta.get("exact") is not False
             else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
                 if entry is not None:
                     self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
                 start = SeededReplay().recipe(StoredMatch(found.length), budget).state_position
+        if states is None:
+            start -= start % alignment
         loaded = -(-start // self.block_size) if start else 0
         exact = start == 0 or (exact_states and all(found.exact[:loaded]))
         return Resume(found.length, start, found.blocks[:loaded], states, exact)
@@ -186,6 +193,12 @@ class BlockStore:
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:
     return [(name, int(page.numel() * page.element_size())) for name, page in pages.items()]
+
+
+def _fits(pages: Pages, layout: Layout) -> bool:
+    """The pages are the layout's layers, each of its size where the layout knows it."""
+    sizes = dict(_sizes(pages))
+    return sizes.keys() == layout.keys() and all(want in (None, sizes[name]) for name, want in layout.items())
 
 
 def engine_fingerprint(model: str, layout: list[tuple[str, int, int, list[str]]], dtype: str) -> str:

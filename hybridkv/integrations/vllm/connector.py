@@ -12,7 +12,8 @@ L − t), and reads and verifies the pages of [0, s); the scheduler meanwhile se
 Worker side: the verified pages travel in the step's metadata; after that step's forward pass the
 worker copies them into the request's attention blocks and writes every linear layer's state
 slot — the exact checkpoint, or zeros — and reports the load finished (`get_finished`), so vLLM's
-own prefill of [s, end) is the tail replay. When a prompt's prefill completes, its new attention
+own prefill of [s, end) is the tail replay (GLM-5.3-Flash: s on the indexer's 16-token pool grid,
+its tail ring cleared; see `CacheGroups`). When a prompt's prefill completes, its new attention
 blocks and its final linear states (an exact checkpoint at the prompt's end) are copied out in
 that step and written to the store by a background thread, off the request's path.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -54,7 +56,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
 
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, Pages, Resume, engine_fingerprint
@@ -70,6 +82,128 @@ _WHOLE_BLOCK_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 
 @dataclass
+class CacheGroups:
+    """How the connector restores each of vLLM's KV-cache groups (`classify_groups`).
+
+    vLLM 0.32 lays a model's caches out in KV-cache groups that share one raw buffer. For
+    GLM-5.3-Flash (`glm5next`) the per-layer specs are
+    - each KDA layer: a `MambaSpec` (the short-conv state in the model dtype and the fp32
+      recurrent state, one block per request);
+    - each MLA layer: an `MLAAttentionSpec` for the latent (`tokens_per_state` 1, marked
+      `is_index_group_leader`), one for the DSA indexer's fp8 k-pool entries
+      (`Glm5NextIndexerCache`: `cache_role` INDEXER, `tokens_per_state` = `index_kpool` = 16, so
+      a block of B tokens holds B/16 pool entries, one per complete pool), and a
+      `CircularBufferSpec` (`Glm5NextTailCache`: the raw K and gate score of the pool still in
+      progress, a ring of 16·2^k slots, one block per request).
+    Their page sizes differ, so vLLM packs them (`_get_packed_kv_cache_groups`, a block-outermost
+    layout such as BLHNC): the latent and indexer specs share the `FullAttentionSpec` grouping
+    base and become one `UniformTypeKVCacheSpecs` group (one block table), the KDA layers are
+    split into several `MambaSpec` groups (as many states as fit in one block), and the rings form
+    one `CircularBufferSpec` group. Every group aliases the same raw buffer, block b of each group
+    being bytes [b·S, (b+1)·S) for one block stride S; a block id belongs to one group at a time.
+    Inside the MLA group's block (its "slab", `get_kv_cache_config_from_groups`) the layers sit at
+    fixed offsets: one `KVCacheTensor` per distinct spec, in the order vLLM meets the specs (the
+    latent's first): the latent layers at offset 0, `page(latent)` apart, then the indexer layers
+    at `n_mla · page(latent)`, `page(indexer)` apart. Packed groups are not split into kernel
+    blocks (`prepare_kernel_block_sizes`), so a view's first dimension is vLLM's block.
+    Each layer's tensor view (`create_kv_cache_views`) is `as_strided` over the raw buffer with
+    shape [blocks, heads, states, content] (states = B / tokens_per_state), block stride S,
+    storage offset = the tensor's offset + layer index · layer stride, viewed in the spec's dtype
+    (raw int8 bytes for a `MambaSpec`). So `view[b]` is one layer's page of block b, contiguous,
+    and copying it byte for byte through each layer's view restores the slab exactly.
+
+    The restore: the MLA group's blocks covering [0, s) are stored and loaded whole, latent and
+    indexer pages alike; the KDA groups are state groups (the checkpoint at s, or zeros); the ring
+    is cleared. That is exact only if no pool is in progress at s, so s lies on the pool grid
+    (`pool_alignment`: a multiple of every pooled spec's `tokens_per_state` and of every ring's
+    capacity, itself a multiple of the pool) and vLLM's own prefill of [s, end) refills the ring.
+
+    The scheduler's copy of the config carries one representative spec per group
+    (`generate_scheduler_kv_cache_config`), the group's first layer's (the latent's); the worker's
+    carries every layer's. The fingerprint is built from the representatives on both sides, so
+    their keys agree. The scheduler takes the pool grid from the ring's capacity (it cannot see
+    the indexer's pool); the worker, which sees both, fails a load off its own grid (vLLM then
+    recomputes the request). A layer whose page size only the worker knows has size None here:
+    the lookup checks its name, the worker its size.
+    """
+
+    attention: dict[int, list[str]]  # group -> layers whose blocks are stored and loaded whole
+    mamba: dict[int, list[str]]  # group -> layers with one state slot per request
+    rings: dict[int, list[str]]  # group -> layers with one ring block per request, cleared on load
+    page_bytes: dict[str, int | None]  # layer -> bytes of its page (None: this side cannot know)
+    pool_alignment: int  # s is a multiple of it: 1 without pooled caches
+    layout: list[tuple[str, int, int, list[str]]]  # per group, for the engine fingerprint
+
+
+def _pool(spec: KVCacheSpec) -> int | None:
+    """Tokens per stored state of an attention layer restorable as whole blocks: 1 for per-token
+    KV, the pool size for a pooled MLA cache (GLM-5.3-Flash's indexer), None if not restorable."""
+    if type(spec) not in _WHOLE_BLOCK_SPECS:
+        return None
+    per_state = getattr(spec, "tokens_per_state", 1)
+    if per_state in (1, -1):
+        return 1
+    pooled = isinstance(spec, MLAAttentionSpec) and isinstance(per_state, int) and per_state > 1
+    return per_state if pooled and spec.block_size % per_state == 0 else None
+
+
+def _page_bytes(spec: KVCacheSpec) -> int:
+    """Bytes of one layer's page as its tensor view holds them: without the padding to the block stride."""
+    return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+
+
+def _sparse_mla_representative(spec: KVCacheSpec) -> bool:
+    """A spec the scheduler sees for a group that also holds a sparse-MLA indexer's caches, whose
+    page sizes differ from the representative's: vLLM marks the latent of an MLA layer with an
+    indexer as the index group's leader."""
+    return isinstance(spec, MLAAttentionSpec) and (
+        spec.is_index_group_leader or spec.cache_role == SparseCacheRole.INDEXER or spec.tokens_per_state != 1
+    )
+
+
+def classify_groups(kv_cache_config: KVCacheConfig) -> CacheGroups:
+    """Sort vLLM's KV-cache groups into what the connector restores; refuse any other group."""
+    attention: dict[int, list[str]] = {}
+    mamba: dict[int, list[str]] = {}
+    rings: dict[int, list[str]] = {}
+    page_bytes: dict[str, int | None] = {}
+    alignment = 1
+    layout = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        names = list(group.layer_names)
+        spec = group.kv_cache_spec
+        # The worker's config has one spec per layer; the scheduler's, the first of them for all.
+        per_layer = (
+            {name: spec.kv_cache_specs[name] for name in names} if isinstance(spec, UniformTypeKVCacheSpecs) else None
+        )
+        specs = list(iter_layer_specs(spec))
+        if not specs:
+            raise HybridKVError(f"HybridKVConnector: KV-cache group {g} has no layer spec")
+        representative = specs[0]  # what generate_scheduler_kv_cache_config keeps
+        layout.append((type(representative).__name__, representative.block_size, representative.page_size_bytes, names))
+        if all(isinstance(spec, MambaSpec) for spec in specs):
+            mamba[g] = names
+        elif all(isinstance(spec, CircularBufferSpec) for spec in specs):
+            rings[g] = names
+            alignment = math.lcm(alignment, *(spec.block_size for spec in specs))
+        elif all(_pool(spec) is not None for spec in specs):
+            attention[g] = names
+            alignment = math.lcm(alignment, *(_pool(spec) for spec in specs))
+            if per_layer is None and _sparse_mla_representative(representative):
+                page_bytes.update(dict.fromkeys(names))
+                continue
+        else:  # sliding windows, compressed caches of other models: not restorable block by block yet
+            kinds = "+".join(dict.fromkeys(type(spec).__name__ for spec in specs))
+            raise HybridKVError(
+                f"HybridKVConnector cannot restore KV-cache group {g} ({kinds}, layers "
+                f"{', '.join(names[:3])}...): it handles full-attention and Mamba-style state groups"
+            )
+        for name in names:
+            page_bytes[name] = _page_bytes(per_layer[name] if per_layer is not None else representative)
+    return CacheGroups(attention, mamba, rings, page_bytes, alignment, layout)
+
+
+@dataclass
 class LoadOp:
     req_id: str
     blocks: list[Pages]  # verified pages of the blocks covering [0, start), in order
@@ -77,6 +211,8 @@ class LoadOp:
     attention_blocks: dict[int, list[int]]  # attention group -> its block ids covering [0, start)
     state_slots: dict[int, int]  # mamba group -> the request's state slot
     failed: bool = False  # nothing to load: the worker reports the load failed, and vLLM recomputes
+    ring_blocks: dict[int, int] = field(default_factory=dict)  # ring group -> the request's ring block
+    start: int = 0  # tokens loaded: vLLM prefills [start, end)
 
 
 @dataclass
@@ -256,30 +392,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             )  # fmt: skip
 
         groups = kv_cache_config.kv_cache_groups
-        self.attention_groups, self.mamba_groups = {}, {}
-        for g, group in enumerate(groups):
-            spec = group.kv_cache_spec
-            if isinstance(spec, MambaSpec):
-                self.mamba_groups[g] = list(group.layer_names)
-            elif type(spec) in _WHOLE_BLOCK_SPECS and getattr(spec, "tokens_per_state", 1) in (1, -1):
-                self.attention_groups[g] = list(group.layer_names)
-            else:  # sliding windows, ring buffers, pooled indexer caches: not restorable block by block yet
-                raise HybridKVError(
-                    f"HybridKVConnector cannot restore KV-cache group {g} ({type(spec).__name__}, layers "
-                    f"{', '.join(group.layer_names[:3])}...): it handles full-attention and Mamba-style state groups"
-                )
+        self.groups = classify_groups(kv_cache_config)
+        self.attention_groups, self.mamba_groups = self.groups.attention, self.groups.mamba
+        self.ring_groups = self.groups.rings
         if not self.attention_groups:
             raise HybridKVError("HybridKVConnector: the model has no full-attention KV-cache group to reuse")
         sizes = {groups[g].kv_cache_spec.block_size for g in self.attention_groups}
         if len(sizes) != 1:
             raise HybridKVError(f"HybridKVConnector: attention groups with different block sizes {sorted(sizes)}")
         self.block_size = sizes.pop()
-        spec_layout = [
-            (type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, g.layer_names)
-            for g in groups
-        ]
+        # s on the pool grid: the loaded blocks then hold whole pools only, and no pool is in progress
+        self.pool_alignment = self.groups.pool_alignment
         model = vllm_config.model_config
-        fingerprint = engine_fingerprint(model.model, spec_layout, str(model.dtype))
+        fingerprint = engine_fingerprint(model.model, self.groups.layout, str(model.dtype))
         self.blocks = BlockStore(
             GuardedStore(open_store(url)), fingerprint, self.block_size, extra.get("cache_salt", "")
         )
@@ -310,16 +435,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: a dropped save is a later miss
         return False
 
-    def _layouts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Bytes of each attention layer's block and each linear layer's state, without padding."""
-        groups = self._kv_cache_config.kv_cache_groups
-
-        def size(group: int) -> int:
-            spec = groups[group].kv_cache_spec
-            return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
-
-        attention = {name: size(g) for g, names in self.attention_groups.items() for name in names}
-        states = {name: size(g) for g, names in self.mamba_groups.items() for name in names}
+    def _layouts(self) -> tuple[dict[str, int | None], dict[str, int | None]]:
+        """Bytes of each attention layer's block and each linear layer's state, without padding
+        (None: a layer whose page size only the worker's config holds; the worker checks it)."""
+        sizes = self.groups.page_bytes
+        attention = {name: sizes[name] for names in self.attention_groups.values() for name in names}
+        states = {name: sizes[name] for names in self.mamba_groups.values() for name in names}
         return attention, states
 
     def _count(self, name: str, value: float = 1) -> None:
@@ -379,7 +500,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             _Writer.drain_all()  # this process's own saves first (see _Writer)
             resume = self.blocks.resume(
                 list(request.prompt_token_ids), attention, states, self._request_budget(request),
-                getattr(request, "cache_salt", None), self.horizon,
+                getattr(request, "cache_salt", None), self.horizon, self.pool_alignment,
             )  # fmt: skip
             exact_state = resume.states is not None and resume.exact
             return _Hit(resume.matched, resume.start, exact_state, resume if resume.start else None)
@@ -398,9 +519,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return self.budget
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
-        # The load writes every linear state slot (the checkpoint, or zeros): vLLM must not zero
-        # them after it, as it would a state group it thinks nothing restored.
-        return tuple(sorted([*self.attention_groups, *self.mamba_groups]))
+        # The load writes every linear state slot (the checkpoint, or zeros) and clears every ring:
+        # vLLM must not zero them after it, as it would a state group it thinks nothing restored.
+        return tuple(sorted([*self.attention_groups, *self.mamba_groups, *self.ring_groups]))
 
     @_timed("hook_seconds")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -431,6 +552,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             resume.states,
             {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
             {g: ids[g][0] for g in self.mamba_groups},
+            ring_blocks={g: ids[g][0] for g in self.ring_groups if ids[g]},
+            start=resume.start,
         )
 
     @_timed("hook_seconds")
@@ -519,6 +642,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise HybridKVError(f"{layer}: a KV-cache block is not contiguous; this vLLM layout is not supported")
         return page.view(torch.uint8).reshape(-1)
 
+    def _restore(self, layer: str, block: int, stored: torch.Tensor) -> None:
+        page = self._page(layer, block)
+        if stored.numel() * stored.element_size() != page.numel():  # copy_ would broadcast a 1-byte page
+            raise HybridKVError(f"{layer}: a stored page of {stored.numel()} bytes for a {page.numel()}-byte page")
+        page.copy_(stored.view(torch.uint8).reshape(-1))
+
     @_timed("copy_seconds")
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Copy each load's verified pages into the request's blocks and state slots. vLLM calls
@@ -531,14 +660,21 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 if load.failed:
                     raise HybridKVError("nothing was staged for this load")
+                if load.start % self.pool_alignment:  # a pool in progress at start: its ring is not stored
+                    raise HybridKVError(f"start {load.start} is off the {self.pool_alignment}-token pool grid")
                 for group, ids in load.attention_blocks.items():
                     for block, pages in zip(ids, load.blocks, strict=True):
                         for layer in self.attention_groups[group]:
-                            self._page(layer, block).copy_(pages[layer])
+                            self._restore(layer, block, pages[layer])
                 for group, slot in load.state_slots.items():
                     for layer in self.mamba_groups[group]:
-                        page = self._page(layer, slot)
-                        page.copy_(load.states[layer]) if load.states is not None else page.zero_()
+                        if load.states is not None:
+                            self._restore(layer, slot, load.states[layer])
+                        else:
+                            self._page(layer, slot).zero_()
+                for group, block in load.ring_blocks.items():  # no pool in progress at start
+                    for layer in self.ring_groups[group]:
+                        self._kv[layer][block].zero_()
             except Exception:  # vLLM recomputes the request (kv_load_failure_policy "recompute")
                 log.exception("hybridkv: loading request %s failed; it is recomputed", load.req_id)
                 self._failed.add(load.req_id)
