@@ -397,3 +397,27 @@ def test_a_group_still_unsupported_is_refused_in_one_line(vllm_config, tmp_path,
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"HybridKVConnector cannot restore KV-cache group 0 ({kind}, layers model.layers.0")
+
+
+def test_plain_groups_keep_their_keys_and_their_grid(vllm_config, tmp_path):
+    """A model without pooled caches (the CPU bench's Qwen3-Next: plain full-attention and GDN
+    groups) keeps the fingerprint the connector gave it before it read groups per layer, so stores
+    written before still match, and its resume point stays anywhere (a grid of 1)."""
+    from hybridkv.integrations.vllm.block_store import engine_fingerprint
+
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {"store": f"file://{tmp_path}"}
+    attention = FullAttentionSpec(block_size=640, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    states = MambaSpec(block_size=640, shapes=((3, 768), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
+    groups = [
+        KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attention),
+        KVCacheGroupSpec([f"model.layers.{i}.linear_attn" for i in range(3)], states),
+    ]
+    connector = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, KVCacheConfig(4, [], groups))
+    before = [(type(g.kv_cache_spec).__name__, 640, g.kv_cache_spec.page_size_bytes, g.layer_names) for g in groups]
+    assert connector.blocks.fingerprint == engine_fingerprint("glm5next-shaped", before, str(torch.bfloat16))
+    assert connector.pool_alignment == 1 and connector.ring_groups == {}
+    assert connector._layouts() == (
+        {"model.layers.3.self_attn.attn": 640 * 2 * 2 * 64 * 2},
+        dict.fromkeys(groups[1].layer_names, states.real_page_size_bytes),
+    )
+    connector.shutdown()
