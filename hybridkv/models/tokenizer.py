@@ -64,10 +64,21 @@ class HFTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
+# Files one of which a checkpoint's own tokenizer is read from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(name_or_dir: str) -> Tokenizer:
     if name_or_dir in BUILTIN_MODELS:
         return ByteTokenizer(TINY_VOCAB)
     path = Path(name_or_dir)
     if path.is_dir():
-        return HFTokenizer(path)
+        if any((path / name).is_file() for name in TOKENIZER_FILES):
+            return HFTokenizer(path)
+        # A model `hybridkv train --export` wrote (its training.json beside the weights) was trained
+        # on the byte tokenizer, which it does not copy.
+        if (path / "training.json").is_file():
+            return ByteTokenizer(TINY_VOCAB)
+        # transformers would hand back a tokenizer that encodes every text to nothing.
+        raise HybridKVError(f"{path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) and not a model hybridkv train wrote")
     raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {', '.join(BUILTIN_MODELS)}")
