@@ -432,21 +432,19 @@ def documents(rng: random.Random, length: int, two_titles: float = 0.3, restated
     if len(asked) == 1:
         title = titles[asked[0]]
         question = f"Question: What is the {attr} of {title}?\nAnswer: The {attr} of {title} is"
-    elif restated:
-        first, second = (titles[i] for i in asked)
-        question = (
-            f"Question: What is the {attr} of {first}, and the {attr} of {second}?\nAnswer: The {attr} of {first} is"
-        )
+        answer = f" {facts[asked[0]]}.\n"
     else:
-        first, second = (titles[i] for i in asked)
-        question = (
-            f"Question: What {attr}s are given for {first} and for {second}?\n"
-            f"Answer: The {attr}s of {first} and {second} are"
-        )
-    if len(asked) == 2 and restated:
-        answer = f" {facts[asked[0]]}, and the {attr} of {titles[asked[1]]} is {facts[asked[1]]}.\n"
-    else:
-        answer = " " + " and ".join(facts[i] for i in asked) + ".\n"
+        (first, second), (v1, v2) = [titles[i] for i in asked], [facts[i] for i in asked]
+        if restated:
+            question = f"Question: What is the {attr} of {first}, and the {attr} of {second}?\n"
+            question += f"Answer: The {attr} of {first} is"
+            answer = f" {v1}, and the {attr} of {second} is {v2}.\n"
+        else:
+            question = (
+                f"Question: What {attr}s are given for {first} and for {second}?\n"
+                f"Answer: The {attr}s of {first} and {second} are"
+            )
+            answer = f" {v1} and {v2}.\n"
 
     def frame(index: int, body: str) -> str:
         if style == "document":
