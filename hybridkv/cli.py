@@ -554,6 +554,12 @@ def _arena(args: argparse.Namespace) -> None:
     )
     if unknown := [t for t in tasks if t not in workload.TASKS]:
         raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.TASKS)}")
+    from hybridkv.eval.kva import check_resume, record_run  # OUT/run.json: the run's options, for resuming and export
+
+    run_options = dict(model=args.model, cache_model=args.cache_model, dtype=args.dtype, seed=args.seed,
+                       max_new_tokens=args.max_new_tokens, workload=args.workload, tasks=tasks, lengths=args.lengths,
+                       samples=args.samples, data=args.data)  # fmt: skip
+    check_resume(args.out, **run_options)  # before the frozen samples are trusted or a model is loaded
     tokenizer = load_tokenizer(args.model)
     frozen = args.out / "samples.jsonl"
     if frozen.exists():
@@ -572,10 +578,7 @@ def _arena(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     model = _load(args)
-    from hybridkv.eval.kva import record_run  # OUT/run.json: what `arena export` reports as the run's model
-
-    record_run(args.out, model=args.model, dtype=args.dtype, device=str(model.device), seed=args.seed,
-               max_new_tokens=args.max_new_tokens, cache_model=args.cache_model)  # fmt: skip
+    record_run(args.out, device=str(model.device), **run_options)
     cache_model = None
     if args.cache_model:
         from hybridkv.models import load_model

@@ -251,6 +251,16 @@ def test_arena_cli_runs_scores_reports_and_resumes(tmp_path, capsys):
     assert main(argv) == 0  # a second run finds everything done
     assert read_rows(out / "results.jsonl") == rows
     assert (out / "samples.jsonl").read_bytes() == samples_before
+    # Other prompts or another answer cap would mix with the rows there: refused, nothing written.
+    capsys.readouterr()
+    for option, value, started in (("--samples", "2", "1"), ("--lengths", "1024,2048", "1024"),
+                                   ("--max-new-tokens", "8", "4")):  # fmt: skip
+        changed = argv.copy()
+        changed[changed.index(option) + 1] = value
+        assert main(changed) == 2
+        assert f"was started with {option} {started}, not {option} {value}" in capsys.readouterr().err
+        assert read_rows(out / "results.jsonl") == rows
+        assert (out / "samples.jsonl").read_bytes() == samples_before
     assert main(["arena", "score", str(out)]) == 0
     assert main(["arena", "report", str(out)]) == 0
     assert (out / "report.html").exists() and (out / "pgr.png").exists()

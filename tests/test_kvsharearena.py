@@ -301,7 +301,7 @@ def test_arena_runs_the_release_and_exports_kva_results(tmp_path, capsys):
             assert all(i["recomputed_layer_tokens"] == 0 and i["kv_bytes"] == 0 for i in doc["results"])
         if s["method"] == "naive+linearkv":  # stored KV and states reused, only the question run
             assert all(i["recomputed_layer_tokens"] == 0 < i["kv_bytes"] for i in doc["results"])
-    with pytest.raises(HybridKVError, match="holds a run of random-nemotron-h"):
+    with pytest.raises(HybridKVError, match="was started with --model random-nemotron-h, not --model random-olmo"):
         record_run(out, model="random-olmo-hybrid", dtype="float32", device="auto", seed=0, max_new_tokens=4)
 
 

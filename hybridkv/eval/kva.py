@@ -83,30 +83,44 @@ def versions() -> dict[str, str]:
     return found
 
 
-def record_run(
-    out: Path,
-    *,
-    model: str,
-    dtype: str,
-    device: str,
-    seed: int,
-    max_new_tokens: int | None,
-    cache_model: str | None = None,
-) -> None:
-    """Write OUT/run.json (model, the checkpoint that built the caches if another, dtype, device, seed,
-    answer cap, versions, git revision) for the exports; a resumed run must use the models and dtype
-    it started with."""
+# What makes a run this run: a resumed run must ask for exactly these again, or its rows would mix
+# models, prompts or answer caps. Each key with the `arena run` option that sets it.
+RUN_OPTIONS = {"model": "--model", "cache_model": "--cache-model", "dtype": "--dtype", "seed": "--seed",
+               "max_new_tokens": "--max-new-tokens", "workload": "--workload", "tasks": "--tasks",
+               "lengths": "--lengths", "samples": "--samples", "data": "--data"}  # fmt: skip
+
+
+def _options(run: dict, keys: list[str]) -> str:
+    def value(v) -> str:
+        return ",".join(map(str, v)) if isinstance(v, list) else "none" if v is None else str(v)
+
+    return " ".join(f"{RUN_OPTIONS[k]} {value(run[k])}" for k in keys)
+
+
+def check_resume(out: Path, **run) -> None:
+    """Refuse, in one line, to add to OUT with other options than those it was started with
+    (`RUN_OPTIONS`'s keys; a run.json written before a key was recorded is not checked on it)."""
+    path = Path(out) / RUN_FILE
+    if not path.exists():
+        return
+    old = _read_run(path)
+    json_run = json.loads(json.dumps(run))  # lists and None as run.json holds them
+    changed = [k for k in RUN_OPTIONS if k in json_run and k in old and old[k] != json_run[k]]
+    if changed:
+        raise HybridKVError(
+            f"{out} was started with {_options(old, changed)}, not {_options(json_run, changed)}: "
+            "give the same options to resume it, or use another --out"
+        )
+
+
+def record_run(out: Path, *, device: str, **run) -> None:
+    """Write OUT/run.json: the run's options (`RUN_OPTIONS`'s keys), the device, versions and git
+    revision, for the exports and for `check_resume`; a resumed run keeps the file it started with."""
+    check_resume(out, **run)
     path = Path(out) / RUN_FILE
     if path.exists():
-        old = _read_run(path)
-        if (old.get("model"), old.get("cache_model"), old.get("dtype")) != (model, cache_model, dtype):
-            raise HybridKVError(
-                f"{out} holds a run of {old.get('model')} (caches by {old.get('cache_model') or 'itself'}, "
-                f"{old.get('dtype')}), not {model} (caches by {cache_model or 'itself'}, {dtype}): use another --out"
-            )
         return
-    info = {"model": model, "cache_model": cache_model, "dtype": dtype, "device": device, "seed": seed,
-            "max_new_tokens": max_new_tokens, "versions": versions(), "git_rev": _git_rev()}  # fmt: skip
+    info = {**run, "device": device, "versions": versions(), "git_rev": _git_rev()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2) + "\n")
 
@@ -327,4 +341,4 @@ def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) 
     return written
 
 
-__all__ = ["SCHEMA", "export_kva", "problems", "provenance", "record_run", "versions"]
+__all__ = ["SCHEMA", "check_resume", "export_kva", "problems", "provenance", "record_run", "versions"]
