@@ -1,17 +1,20 @@
 """prophet (attention, ProphetKV): recompute the context tokens the question attends to most.
 
 CacheBlend picks tokens whose KV changed most, which may be salient to the context but not to
-the question ("crowding out"); ProphetKV spends the budget on what the question needs. Here the
-question runs once over the chunks' stored KV, moved to their new places, with each linear layer
-started from the last chunk's state; every context token's relevance is the attention the
-question's tokens pay it, summed over heads and question tokens and averaged over attention
-layers (each layer's weights sum to one per query, so layers weigh alike). The most relevant
-tokens after the leading chunk are recomputed in place, as many as fit in `ratio` of them (default
-20%, ProphetKV's budget) counting the executor's warm-up before each run inside a chunk (the fact
-sentence a question asks about lies mid-passage: recomputed from a state that skipped the tokens
-before it, it came out worse than stored); the leading chunk sits where it was encoded and is exact
-as stored. This is the selection stage of ProphetKV; its second, layer-wise refinement is not
-reproduced.
+the question ("crowding out"); ProphetKV spends the budget on what the question needs, in two
+stages. Stage one: the question runs once over the chunks' stored KV, moved to their new places,
+with each linear layer started from the last chunk's state, and at each attention layer every
+context token's relevance is the attention the question's tokens pay it, the softmax taken over
+the context's keys alone, summed over heads and question tokens. Stage two fuses the layers with
+equal weights (their mean) into one set for every layer: the most relevant tokens after the leading
+chunk, as many as fit in `ratio` of them (default 20%, ProphetKV's budget) counting the executor's
+warm-up before each run inside a chunk (the fact sentence a question asks about lies mid-passage:
+recomputed from a state that skipped the tokens before it, it came out worse than stored). The
+leading chunk sits where it was encoded and is exact as stored.
+
+Only the paper's abstract was readable here; the two stages follow the equations that public
+reimplementations quote from it (per layer, softmax(Q_s K'_{1:C}^T / sqrt(d_k)) summed over the
+query's tokens; then the uniform mean over layers and one top-p set).
 """
 
 from __future__ import annotations
@@ -41,8 +44,18 @@ def relevance(model: HybridModel, chunks: list[EncodedChunk], question: torch.Te
     write_kv(cache, PromptKV.cat(moved))
     write_states(cache, chunks[-1].end_states)
     layers = model.attention_weights(question.reshape(-1), cache, start=position)
-    received = sum(weights[:, :, :position].sum(dim=(0, 1)) for weights in layers) / len(layers)
+    # transformers' softmax also covers the question's own keys; renormalised over the context's,
+    # each query row is softmax(q K'_{1:C}^T / sqrt(d_k)), and every layer gives the context the
+    # same total (heads × question tokens), so the mean weighs layers alike
+    received = sum(_over_context(weights, position).sum(dim=(0, 1)) for weights in layers) / len(layers)
     return list(received.split([len(chunk) for chunk in chunks]))
+
+
+def _over_context(weights: torch.Tensor, context: int) -> torch.Tensor:
+    """[heads, queries, keys] attention weights restricted to the first `context` keys, each row
+    renormalised to sum to one."""
+    kept = weights[:, :, :context].float()
+    return kept / kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
