@@ -179,8 +179,8 @@ def _real_page(spec: KVCacheSpec, layer: str) -> int:
     return spec.real_page_size_bytes
 
 
-def make_engine(vllm_config, kv_cache_config, store_url: str) -> Engine:
-    vllm_config.kv_transfer_config.kv_connector_extra_config = {"store": store_url, "replay_budget": BUDGET}
+def make_engine(vllm_config, kv_cache_config, store_url: str, **extra) -> Engine:
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {"store": store_url, "replay_budget": BUDGET, **extra}
     worker = HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
     scheduler = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, scheduler_config)
@@ -343,6 +343,44 @@ def test_a_checkpoint_on_the_pool_grid_writes_the_stored_kda_states(engine):
         assert torch.equal(engine.block_bytes(attention, have), engine.block_bytes(attention, had, saved))
     info = engine.scheduler.request_finished_all_groups(req, ())[1]["hybridkv"]
     assert info == {"matched": len(stored), "reused": len(stored), "exact_state": True}
+
+
+def test_verified_pages_held_for_unadmitted_requests_are_capped_in_bytes(vllm_config, kv_cache_config, tmp_path):
+    """Pages read for a request wait in memory until vLLM admits it. Past `max_held_mib` of them a
+    new request's lookup waits ("ask later") until a load takes some; one request is always let
+    through, however large its pages."""
+    one_request_mib = None
+    for cap_mib in (None, 0.001):  # the default (1 GiB), then a cap one request's pages exceed
+        extra = {} if cap_mib is None else {"max_held_mib": cap_mib}
+        engine = make_engine(vllm_config, kv_cache_config, f"file://{tmp_path / f'store-{cap_mib}'}", **extra)
+        try:
+            first, second = tokens(2 * BLOCK + 2 * POOL, seed=40), tokens(2 * BLOCK + 2 * POOL, seed=41)
+            save(engine, first, request_blocks(engine, first=1, count=3))
+            save(engine, second, request_blocks(engine, first=10, count=3))
+            a, b = request("a", first + tokens(20, seed=42)), request("b", second + tokens(20, seed=43))
+            assert look_up(engine, a) == len(first)  # a's pages are held until a is admitted
+            held = engine.scheduler._held_bytes
+            one_request_mib = held / 2**20
+            if cap_mib is None:
+                assert look_up(engine, b) == len(second)  # well under 1 GiB: b is looked up at once
+                assert engine.scheduler._held_bytes > held
+                continue
+            assert held > cap_mib * 2**20
+            for _ in range(3):  # over the cap: b waits, however often vLLM asks
+                assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (None, False)
+                time.sleep(0.05)
+            assert "b" not in engine.scheduler._lookups
+            done, failed = load(engine, a, len(first), request_blocks(engine, first=20, count=3))
+            assert done == {"a"} and not failed and engine.scheduler._held_bytes == 0
+            assert look_up(engine, b) == len(second)  # a's pages left with its load: b goes on
+        finally:
+            engine.worker.shutdown()
+            engine.scheduler.shutdown()
+            _Writer.drain_all()
+    assert one_request_mib is not None and one_request_mib > 0.001
+    for bad in ("lots", 0, -1):
+        with pytest.raises(HybridKVError, match="max_held_mib .*: a positive number of MiB"):
+            make_engine(vllm_config, kv_cache_config, f"file://{tmp_path / 'bad'}", max_held_mib=bad)
 
 
 def test_a_load_off_the_pool_grid_fails_and_writes_nothing(engine):

@@ -54,6 +54,12 @@ class Resume:
     states: Pages | None
     exact: bool = True  # everything loaded was computed exactly: the resume equals a full prefill
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages it holds in memory."""
+        pages = [*self.blocks, *([self.states] if self.states is not None else [])]
+        return sum(t.numel() * t.element_size() for page in pages for t in page.values())
+
 
 class BlockStore:
     """Blocks and states of one engine (`fingerprint`), in the namespace of the engine's `salt`;

@@ -21,7 +21,8 @@ Extra config: `store` (a hybridkv store URL, default a file store under the temp
 the engine's processes), `replay_budget` (fraction of the match, or "256tok"; default 0.05),
 `replay_horizon` (a token count, or "calibrated": the forgetting horizon `hybridkv calibrate`
 wrote beside the model; it caps the budget's tail), `cache_salt` (the engine's namespace),
-`save_states` (default true). vLLM's per-request
+`save_states` (default true), `max_held_mib` (verified pages held in memory for requests not yet
+admitted; past it, new lookups wait; default 1024). vLLM's per-request
 `cache_salt` opens a namespace inside it: two tenants never share a page. A request may set its
 own budget: `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each
 finished request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in
@@ -330,6 +331,17 @@ class _Writer:
             writer.drain()
 
 
+def _mib(setting, name: str) -> int:
+    """A positive size in MiB from the connector's config, in bytes."""
+    try:
+        mib = float(setting)
+    except (TypeError, ValueError):
+        mib = math.nan
+    if not mib > 0 or math.isinf(mib):
+        raise HybridKVError(f"{name} {setting!r}: a positive number of MiB")
+    return int(mib * 2**20)
+
+
 def _replay_horizon(setting, model: str) -> int | None:
     """`replay_horizon`: absent (the budget alone), a token count, or "calibrated" (the horizon
     `hybridkv calibrate` wrote beside the model; None there: some layer remembers past it)."""
@@ -420,9 +432,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
         self._lookup_pool: ThreadPoolExecutor | None = None
-        # verified pages wait in memory for their request's admission: bound how many requests' pages
+        # verified pages wait in memory for their request's admission: bound how many requests hold
+        # them (lookups in flight included) and their bytes (a long prompt's pages weigh more)
         self._max_pending = 2 * vllm_config.scheduler_config.max_num_seqs
+        self._max_held_bytes = _mib(extra.get("max_held_mib", 1024), "max_held_mib")
         self._held = 0  # hits holding verified pages
+        self._held_bytes = 0
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()
@@ -462,7 +477,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
-                if len(self._lookups) + self._held >= self._max_pending:
+                if len(self._lookups) + self._held >= self._max_pending or (
+                    self._held and self._held_bytes >= self._max_held_bytes
+                ):
                     return None, False  # enough pages held for requests not yet admitted: ask later
                 self._salts[req_id] = getattr(request, "cache_salt", None)
                 if self._lookup_pool is None:
@@ -472,7 +489,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
-            self._held += hit.resume is not None
+            if hit.resume is not None:
+                self._held += 1
+                self._held_bytes += hit.resume.nbytes
             self._count("lookups")
             if hit.matched and not hit.start:  # nothing to load: the whole match is replayed
                 self._record_hit(hit)
@@ -485,7 +504,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _take_pages(self, hit: _Hit) -> Resume | None:
         """The hit's verified pages, which leave it (loaded, declined or dropped)."""
         resume, hit.resume = hit.resume, None
-        self._held -= resume is not None
+        if resume is not None:
+            self._held -= 1
+            self._held_bytes -= resume.nbytes
         return resume
 
     def _record_hit(self, hit: _Hit) -> None:
