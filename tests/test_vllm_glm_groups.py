@@ -76,9 +76,11 @@ class ModelStandIn:
     dtype: torch.dtype = torch.bfloat16
 
 
-def glm_layer_specs() -> dict[str, KVCacheSpec]:
+def glm_layer_specs(latent_cache: str = "auto") -> dict[str, KVCacheSpec]:
     """Each layer's spec as `Glm5NextLinearAttention`, `MLAAttention`, `Glm5NextIndexerCache` and
-    `Glm5NextTailCache` build them (no speculative tokens: a one-pool ring)."""
+    `Glm5NextTailCache` build them (no speculative tokens: a one-pool ring). `latent_cache`:
+    "auto" (the latent in bf16) or "fp8_ds_mla" (FlashMLA-sparse's packed fp8 latent, scales and
+    rope part: an opaque 656-byte blob per token, as `MLAAttention.get_kv_cache_spec` declares it)."""
     conv, recurrent = MambaStateShapeCalculator.kda_state_shape(1, KDA_HEADS, KDA_HEAD_DIM)
     dtypes = MambaStateDtypeCalculator.kda_state_dtype(torch.bfloat16, "auto", "auto")
     specs: dict[str, KVCacheSpec] = {}
@@ -89,9 +91,11 @@ def glm_layer_specs() -> dict[str, KVCacheSpec]:
                 block_size=BLOCK, shapes=(conv, recurrent), dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN
             )
             continue
+        fp8 = latent_cache == "fp8_ds_mla"
         specs[f"{prefix}.attn"] = MLAAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=LATENT, dtype=torch.bfloat16,
-            cache_dtype_str="auto", is_index_group_leader=True,
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=LATENT,
+            dtype=torch.uint8 if fp8 else torch.bfloat16, cache_dtype_str=latent_cache, is_index_group_leader=True,
+            state_content_bytes=656 if fp8 else None,
         )  # fmt: skip
         specs[f"{prefix}.indexer.k_cache"] = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=INDEX_HEAD_DIM + INDEX_HEAD_DIM // 128 * 4,
@@ -120,9 +124,18 @@ def vllm_config() -> VllmConfig:
     return config
 
 
+# GLM-5.3-Flash's latent in bf16, and in FlashMLA-sparse's packed fp8 format: 656 bytes a token
+LATENT_BYTES = {"auto": LATENT * 2, "fp8_ds_mla": 656}
+
+
+@pytest.fixture(scope="module", params=sorted(LATENT_BYTES))
+def latent_cache(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def kv_cache_config(vllm_config) -> KVCacheConfig:
-    groups = get_kv_cache_groups(vllm_config, glm_layer_specs())
+def kv_cache_config(vllm_config, latent_cache) -> KVCacheConfig:
+    groups = get_kv_cache_groups(vllm_config, glm_layer_specs(latent_cache))
     return get_kv_cache_config_from_groups(vllm_config, groups, 64 * 2**20)
 
 
@@ -260,7 +273,7 @@ def engine(vllm_config, kv_cache_config, tmp_path):
     _Writer.drain_all()
 
 
-def test_vllm_groups_glm_caches_as_the_connector_expects(engine, kv_cache_config):
+def test_vllm_groups_glm_caches_as_the_connector_expects(engine, kv_cache_config, latent_cache):
     """vLLM packs GLM-5.3-Flash's caches into KDA state groups, one MLA group whose blocks hold the
     latent and the indexer's pools, and one ring group; both sides of the connector accept them and
     agree on the keys and the pool grid, though the scheduler sees one spec per group only."""
@@ -278,7 +291,7 @@ def test_vllm_groups_glm_caches_as_the_connector_expects(engine, kv_cache_config
     assert engine.worker.blocks.fingerprint == engine.scheduler.blocks.fingerprint
     worker_sizes, _ = engine.worker._layouts()
     scheduler_sizes, _ = engine.scheduler._layouts()
-    assert worker_sizes["model.layers.3.self_attn.attn"] == BLOCK * LATENT * 2
+    assert worker_sizes["model.layers.3.self_attn.attn"] == BLOCK * LATENT_BYTES[latent_cache]
     assert worker_sizes["model.layers.3.self_attn.indexer.k_cache"] == BLOCK // POOL * (INDEX_HEAD_DIM + 4)
     assert set(scheduler_sizes.values()) == {None}  # its config shows the latent's spec for the indexer too
     assert engine.scheduler.get_loaded_kv_cache_group_ids(None) == tuple(range(len(groups)))
