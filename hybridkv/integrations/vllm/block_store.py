@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,9 @@ class Resume:
     states: Pages | None
     exact: bool = True  # everything loaded was computed exactly: the resume equals a full prefill
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Bytes of the pages it holds in memory."""
+        """Bytes of the pages it holds in memory (counted once: added and taken off the held total)."""
         pages = [*self.blocks, *([self.states] if self.states is not None else [])]
         return sum(t.numel() * t.element_size() for page in pages for t in page.values())
 

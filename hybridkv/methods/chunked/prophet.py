@@ -54,7 +54,7 @@ def relevance(model: HybridModel, chunks: list[EncodedChunk], question: torch.Te
 def _over_context(weights: torch.Tensor, context: int) -> torch.Tensor:
     """[heads, queries, keys] attention weights restricted to the first `context` keys, each row
     renormalised to sum to one."""
-    kept = weights[:, :, :context].float()
+    kept = weights[:, :, :context]  # float32 already (`attention_weights`)
     return kept / kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
