@@ -226,7 +226,7 @@ def request(req_id: str, prompt: list[int]) -> SimpleNamespace:
 def save(engine: Engine, prompt: list[int], blocks: dict[int, list[int]]) -> None:
     """The worker's save of a finished prefill, with its blocks in each group."""
     mla, kda = engine.groups_of(MLAAttentionSpec), engine.groups_of(MambaSpec)
-    op = SaveOp(prompt, 0, {g: blocks[g] for g in mla}, {g: blocks[g][0] for g in kda})
+    op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in mla}, {g: blocks[g][0] for g in kda})
     engine.worker.bind_connector_metadata(HybridKVMetadata(saves=[op]))
     engine.worker.wait_for_save()
     engine.worker.clear_connector_metadata()

@@ -7,13 +7,18 @@
 
 Scheduler side: for a new request, a background thread finds the longest stored prefix L
 (token-level), picks the replay start s (an exact stored checkpoint within the budget, else
-L − t), and reads and verifies the pages of [0, s); the scheduler meanwhile serves other requests
-(`get_num_new_matched_tokens` answers "not yet"), then reports s tokens as loaded asynchronously.
-Worker side: the verified pages travel in the step's metadata; after that step's forward pass the
-worker copies them into the request's attention blocks and writes every linear layer's state
-slot — the exact checkpoint, or zeros — and reports the load finished (`get_finished`), so vLLM's
-own prefill of [s, end) is the tail replay (GLM-5.3-Flash: s on the indexer's 16-token pool grid,
-its tail ring cleared; see `CacheGroups`). When a prompt's prefill completes, its new attention
+L − t), and reads and verifies the pages of [0, s). The scheduler waits for it a few milliseconds
+(`LOOKUP_WAIT_S`); a slower store answers "not yet" and the scheduler serves other requests
+meanwhile. A step on a loaded engine lasts far longer than a lookup, and every step a hit waits
+for is time vLLM's own prefix cache does not spend, so the load is synchronous wherever the
+scheduler could verify every page: vLLM schedules the request at once from s, and the worker
+copies the pages before that step's forward pass. Worker side: the verified pages travel in the
+step's metadata; the worker copies them into the request's attention blocks and writes every
+linear layer's state slot — the exact checkpoint, or zeros — so vLLM's own prefill of [s, end) is
+the tail replay. GLM-5.3-Flash's sparse-MLA pages have sizes only the worker knows: there the
+load is asynchronous (copied after the step's forward, reported by `get_finished`), so a page the
+worker rejects recomputes the request; s lies on the indexer's 16-token pool grid and the tail
+ring is cleared (see `CacheGroups`). When a prompt's prefill completes, its new attention
 blocks and its final linear states (an exact checkpoint at the prompt's end) are copied out in
 that step and written to the store by a background thread, off the request's path.
 
@@ -45,16 +50,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
@@ -69,6 +77,7 @@ from vllm.v1.kv_cache_interface import (
     iter_layer_specs,
 )
 
+from hybridkv.cache.prefix_index import common_length
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, Pages, Resume, engine_fingerprint
 from hybridkv.integrations.vllm.metrics import STORE_ERROR_KINDS, HybridKVPromMetrics, HybridKVStats
@@ -214,10 +223,12 @@ class LoadOp:
     failed: bool = False  # nothing to load: the worker reports the load failed, and vLLM recomputes
     ring_blocks: dict[int, int] = field(default_factory=dict)  # ring group -> the request's ring block
     start: int = 0  # tokens loaded: vLLM prefills [start, end)
+    sync: bool = False  # copied before the step's forward, which already computes from start
 
 
 @dataclass
 class SaveOp:
+    req_id: str
     tokens: list[int]
     first_block: int  # blocks before it were loaded from the store: not written again
     attention_blocks: dict[int, list[int]]  # attention group -> the prompt's block ids
@@ -233,11 +244,30 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class HybridKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker to scheduler, once per step: the requests whose saves are done (written, failed or
+    dropped), so the scheduler stops holding back lookups that wait for their pages."""
+
+    saved: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> HybridKVWorkerMetadata:
+        return HybridKVWorkerMetadata(self.saved | getattr(other, "saved", set()))
+
+
+@dataclass
 class _Hit:  # scheduler-side record of a request's lookup, with its verified pages until loaded
     matched: int
     start: int
     exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
     resume: Resume | None = None
+
+
+@dataclass
+class _Source:  # scheduler-side: a prompt being computed (or saved) whose pages later lookups may want
+    tokens: np.ndarray
+    salt: str | None
+    stored: int  # tokens of it the store held already when it was looked up
+    saved_at: float | None = None  # when its save went to the worker (None: prefill in progress)
 
 
 @dataclass
@@ -377,6 +407,14 @@ def _timed(counter: str):
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    # How long the scheduler waits for a lookup before answering "not yet" (then the request waits
+    # a whole engine step). A lookup reading a few MiB from a local store takes 5-30 ms.
+    LOOKUP_WAIT_S = 0.05
+    # A new prompt sharing at least this many more tokens with one being computed than the store
+    # holds waits for that prompt's pages instead of computing them a second time alongside it.
+    WAIT_FOR_PREFIX_TOKENS = 512
+    SAVE_NOTICE_TIMEOUT_S = 10.0  # a save the worker never reports done stops holding lookups back
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.cache_config.enable_prefix_caching:
@@ -415,6 +453,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = sizes.pop()
         # s on the pool grid: the loaded blocks then hold whole pools only, and no pool is in progress
         self.pool_alignment = self.groups.pool_alignment
+        # Synchronous loads cannot be reported failed (vLLM takes no per-request failure for a
+        # running request of a hybrid model), so they are made only where the lookup verified
+        # every page's size and nothing is left for the worker to reject.
+        self.sync_loads = None not in self.groups.page_bytes.values()
         model = vllm_config.model_config
         fingerprint = engine_fingerprint(model.model, self.groups.layout, str(model.dtype))
         self.blocks = BlockStore(
@@ -431,6 +473,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
+        self._sources: dict[str, _Source] = {}  # prompts in flight, until their saves are done
+        self._waiting_on: dict[str, str] = {}  # request -> the source whose pages it waits for
         self._lookup_pool: ThreadPoolExecutor | None = None
         # verified pages wait in memory for their request's admission: bound how many requests hold
         # them (lookups in flight included) and their bytes (a long prompt's pages weigh more)
@@ -443,6 +487,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._writer: _Writer | None = None
+        self._saves_done: set[str] = set()  # filled by the writer thread, sent to the scheduler each step
+        self._saves_done_lock = threading.Lock()
 
     # == scheduler side ==========================================================================
 
@@ -476,6 +522,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
+            if lookup is None and self._waits_for_source(request):
+                return None, False
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
                 if len(self._lookups) + self._held >= self._max_pending or (
                     self._held and self._held_bytes >= self._max_held_bytes
@@ -484,8 +532,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._salts[req_id] = getattr(request, "cache_salt", None)
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
-                self._lookups[req_id] = self._lookup_pool.submit(self._look_up, request)
-                return None, False
+                lookup = self._lookups[req_id] = self._lookup_pool.submit(self._look_up, request)
+                futures.wait([lookup], timeout=self.LOOKUP_WAIT_S)  # a quick store answers in this step
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
@@ -499,7 +547,38 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             # Asked again after its load went out: vLLM preempted the request or its load failed,
             # and its computed tokens are gone. The pages left with the load: compute it in full.
             hit.start, hit.exact_state = 0, False
-        return hit.start, hit.start > 0
+        return hit.start, hit.start > 0 and not self.sync_loads
+
+    def _waits_for_source(self, request) -> bool:
+        """Whether the request should wait for another one's pages: that one is computing (or
+        saving) at least `WAIT_FOR_PREFIX_TOKENS` more of this prompt than the store holds. Two
+        clients sending one long new prefix at once would otherwise both compute it; vLLM's own
+        prefix cache shares blocks while they are computed, the store only once they are saved."""
+        req_id = request.request_id
+        now = time.monotonic()
+        for source_id, source in list(self._sources.items()):
+            if source.saved_at is not None and now - source.saved_at > self.SAVE_NOTICE_TIMEOUT_S:
+                del self._sources[source_id]
+        if self._waiting_on.get(req_id) in self._sources:
+            return True
+        self._waiting_on.pop(req_id, None)
+        if not self._sources:
+            return False
+        salt = getattr(request, "cache_salt", None)
+        prompt = np.asarray(request.prompt_token_ids[:-1], dtype=np.int64)  # one token is always computed
+        for source_id, source in self._sources.items():
+            gain = common_length(source.tokens, prompt) - source.stored
+            if source.salt == salt and gain >= self.WAIT_FOR_PREFIX_TOKENS:
+                self._waiting_on[req_id] = source_id
+                self._count("lookups_deferred")
+                return True
+        return False
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HybridKVWorkerMetadata):
+            for req_id in meta.saved:
+                self._sources.pop(req_id, None)
 
     def _take_pages(self, hit: _Hit) -> Resume | None:
         """The hit's verified pages, which leave it (loaded, declined or dropped)."""
@@ -557,7 +636,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             # leave the request waiting for ever; vLLM then computes it in full.
             log.warning("hybridkv: request %s expects a load of %d tokens that is not staged; recomputing it",
                         request.request_id, num_external_tokens)  # fmt: skip
-            self._loads[request.request_id] = LoadOp(request.request_id, [], None, {}, {}, failed=True)
+            self._loads[request.request_id] = LoadOp(
+                request.request_id, [], None, {}, {}, failed=True, sync=self.sync_loads
+            )
             if hit is not None:
                 never_counted = self._take_pages(hit) is not None  # no load was made for it
                 hit.start, hit.exact_state = 0, False
@@ -575,12 +656,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             {g: ids[g][0] for g in self.mamba_groups},
             ring_blocks={g: ids[g][0] for g in self.ring_groups if ids[g]},
             start=resume.start,
+            sync=self.sync_loads,
         )
 
     @_timed("hook_seconds")
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = HybridKVMetadata()
-        # A request loading asynchronously is not scheduled in the step its blocks were allocated.
         meta.loads, self._loads = list(self._loads.values()), {}
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._uncacheable:
@@ -594,6 +675,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
                 self._salts.get(new.req_id), exact,
             )  # fmt: skip
+            if new.prompt_token_ids:
+                tokens = np.asarray(new.prompt_token_ids, dtype=np.int64)
+                self._sources[new.req_id] = _Source(tokens, self._salts.get(new.req_id), matched)
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -620,9 +704,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if tracked.saved or not tracked.tokens or end < len(tracked.tokens):
             return
         tracked.saved = True  # the prompt is complete after this step: save it once
+        if (source := self._sources.get(req_id)) is not None:
+            source.saved_at = time.monotonic()
         blocks = -(-len(tracked.tokens) // self.block_size)
         meta.saves.append(
             SaveOp(
+                req_id,
                 tracked.tokens,
                 tracked.first_block,
                 {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
@@ -634,7 +721,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> dict | None:
         self._uncacheable.discard(req_id)
-        self._tracked.pop(req_id, None)
+        self._waiting_on.pop(req_id, None)
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is not None and not tracked.saved:  # finished before its prompt was complete: no save comes
+            self._sources.pop(req_id, None)
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
             lookup.cancel()  # aborted while its lookup ran
@@ -672,8 +762,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed("copy_seconds")
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Copy each load's verified pages into the request's blocks and state slots. vLLM calls
-        this after the step's forward pass when every load is asynchronous, as ours are; the
-        requests wait for `get_finished` to report them."""
+        this before the step's forward pass when a load is synchronous (the forward computes from
+        its start), after it when every load is asynchronous (the requests wait for `get_finished`)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, HybridKVMetadata):
             return
@@ -696,10 +786,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 for group, block in load.ring_blocks.items():  # no pool in progress at start
                     for layer in self.ring_groups[group]:
                         self._kv[layer][block].zero_()
-            except Exception:  # vLLM recomputes the request (kv_load_failure_policy "recompute")
+            except Exception as err:  # vLLM recomputes the request (kv_load_failure_policy "recompute")
+                if load.sync:  # the forward is about to compute from start over these blocks: stop it
+                    raise HybridKVError(
+                        f"hybridkv: the synchronous load of request {load.req_id} failed ({err}); vLLM cannot "
+                        "recompute a running request of a hybrid model, so the step is not run"
+                    ) from err
                 log.exception("hybridkv: loading request %s failed; it is recomputed", load.req_id)
                 self._failed.add(load.req_id)
-            self._loaded.add(load.req_id)
+            if not load.sync:
+                self._loaded.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -720,10 +816,21 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 if self._writer.full():  # checked before the pages are copied out
                     self._count("saves_dropped")
+                    self._save_done(save.req_id)
                     continue
                 self._writer.submit(self._snapshot(save))
             except Exception:  # a cache that cannot be written costs reuse later, never this request
                 log.exception("hybridkv: saving a prompt of %d tokens failed", len(save.tokens))
+                self._save_done(save.req_id)
+
+    def _save_done(self, req_id: str) -> None:
+        with self._saves_done_lock:
+            self._saves_done.add(req_id)
+
+    def build_connector_worker_meta(self) -> HybridKVWorkerMetadata | None:
+        with self._saves_done_lock:
+            done, self._saves_done = self._saves_done, set()
+        return HybridKVWorkerMetadata(done) if done else None
 
     def _snapshot(self, save: SaveOp) -> Callable[[], None]:
         count = len(next(iter(save.attention_blocks.values())))
@@ -750,6 +857,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt, save.exact)
             finally:
                 self._count("write_seconds", time.perf_counter() - began)
+                self._save_done(save.req_id)
 
         return write
 

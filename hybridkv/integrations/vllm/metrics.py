@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 COUNTERS = {
     "lookups": "Requests the connector looked up in its store.",
+    "lookups_deferred": "Requests held back for the pages of a longer shared prefix another request was computing.",
     "hits": "Requests admitted with a stored prefix (any matched tokens), counted when their load is made.",
     "exact_states": "Hits resumed from an exact stored linear-state checkpoint.",
     "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
