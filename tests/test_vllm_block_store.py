@@ -243,8 +243,8 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
             "block_size": 2176,
             "results": {("shared-system", 4): (
                 replies(0.5, 9, hybridkv={"matched": 90, "reused": 80}), 1.0,
-                {"hook_ms_per_request": 1.5, "copy_ms_per_request": 0.5, "lookup_ms_per_request": 4.0,
-                 "write_ms_per_request": 2.0},
+                {"hook_ms_per_request": 1.5, "wait_ms_per_request": 3.0, "copy_ms_per_request": 0.5,
+                 "lookup_ms_per_request": 4.0, "write_ms_per_request": 2.0},
             )},
         },
     }  # fmt: skip

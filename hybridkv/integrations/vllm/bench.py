@@ -36,7 +36,9 @@ from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.serve import ADAPTIVE, Reply, Server, ServerSpec, run_sessions
 from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
 
-CONNECTOR_FIELDS = ("hook_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request", "write_ms_per_request")
+CONNECTOR_FIELDS = (
+    "hook_ms_per_request", "wait_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request", "write_ms_per_request"
+)  # fmt: skip
 SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
     "throughput_rps", "reused_tokens_per_request", "replayed_tokens_per_request", "top1_agreement", "kl_mean",
@@ -140,7 +142,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     return summary
 
 
-_SECONDS = ("hook_seconds", "copy_seconds", "lookup_seconds", "write_seconds")
+_SECONDS = ("hook_seconds", "wait_seconds", "copy_seconds", "lookup_seconds", "write_seconds")
 
 
 def _connector_totals(servers: list[Server]) -> dict[str, float]:
@@ -220,8 +222,8 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for r in flat),
                         "top1_agreement": statistics.mean(a for a, _ in fidelity),
                         "kl_mean": statistics.mean(k for _, k in fidelity),
-                        # hybridkv only: the connector's milliseconds per request (hooks on the
-                        # engine loop, page copies, lookups and writes on their threads)
+                        # hybridkv only: the connector's milliseconds per request (hooks and lookup
+                        # waits on the engine loop, page copies, lookups and writes on their threads)
                         **(spent or dict.fromkeys(CONNECTOR_FIELDS)),
                     }
                 )
@@ -267,7 +269,8 @@ def report(summary: dict) -> str:
         f"tokens. Prefixes {shape['min_prefix']}-{shape['max_prefix']} tokens, {shape['requests']} requests per "
         "workload and client count. TTFT: request sent to first token (`max_tokens=1`); fidelity of the first "
         "token against `no-cache` at the same client count. The connector's milliseconds per request, from its "
-        "counters on the servers' `/metrics`: hooks on the engine loop (everything but moving pages), page copies "
+        "counters on the servers' `/metrics`: hooks on the engine loop (everything but moving pages), the engine "
+        "loop's waits for a lookup to answer (at most 50 ms a request, so a hit loads in that step), page copies "
         "into and out of vLLM's cache, lookups (key hashing, store reads, checksums) on their own thread, "
         "before a request's load, and writes (hashing, encoding, store puts) on the writer thread, after its answer.",
         "",
@@ -286,7 +289,7 @@ def report(summary: dict) -> str:
             f"![TTFT, {workload}](ttft-{workload}.png)",
             "",
             "| clients | config | TTFT mean s | p50 | p99 | req/s | reused / req | replayed / req | top-1 | KL mean "
-            "| connector ms / req: hooks / copies / lookup / writes |",
+            "| connector ms / req: hooks / waits / copies / lookup / writes |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in (r for r in summary["rows"] if r["workload"] == workload):

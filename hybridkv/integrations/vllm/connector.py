@@ -533,7 +533,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
                 lookup = self._lookups[req_id] = self._lookup_pool.submit(self._look_up, request)
+                began = time.perf_counter()
                 futures.wait([lookup], timeout=self.LOOKUP_WAIT_S)  # a quick store answers in this step
+                waited = time.perf_counter() - began
+                self._count("wait_seconds", waited)
+                self._count("hook_seconds", -waited)  # counted apart from the hook's own work
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()

@@ -21,10 +21,12 @@ COUNTERS = {
     "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
     "tokens_replayed": "Matched prompt tokens recomputed anyway (the tail replay).",
     "store_errors": "Store operations that failed (down, timed out, full) or returned a corrupt entry.",
-    # Where the connector's time goes. Hooks run on the engine loop; copies move pages between
+    # Where the connector's time goes. Hooks run on the engine loop, and wait there a little for a
+    # lookup (a hit then loads in the same step); copies move pages between
     # vLLM's cache and the connector; lookups (key hashing, store reads, checksums) run on a
     # background thread, before a request's load, off the engine loop.
     "hook_seconds": "Seconds in the connector's hooks on the engine loop, page copies excluded.",
+    "wait_seconds": "Seconds the engine loop waited for lookups to answer (at most 50 ms a request).",
     "copy_seconds": "Seconds copying pages into vLLM's cache (loads) and out of it (saves).",
     "lookup_seconds": "Seconds of lookups (hashing, store reads, verification) on the lookup thread.",
     "write_seconds": "Seconds writing saved prompts (hashing, encoding, store puts) on the writer thread.",
