@@ -260,7 +260,7 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
     text = report(summary)
     assert text.count("\n| 4 | ") == 3 and "hybridkv@0.05" in text  # one row per configuration
-    assert "| 1.5 / 0.5 / 4.0 / 2.0 |" in text
+    assert "| 1.5 / 3.0 / 0.5 / 4.0 / 2.0 |" in text
     assert "| shared-system | 4 | 0.05 | 2.00 | 1.50 |" in text  # TTFT 0.5 / 0.25, throughput 3.0 / 2.0
 
 
