@@ -57,6 +57,42 @@ def test_matching_is_token_level_inside_a_block_and_never_takes_the_last_token(b
     assert blocks.match([7] + stored[1:], LAYOUT).length == 0
 
 
+def test_prompts_diverging_inside_a_block_each_keep_their_blocks(blocks):
+    """A RAG header followed by different passages: every passage set keeps its own blocks, the
+    first one included, whichever was stored last; so do prompts shorter than one block."""
+    header = [1, 2, 3, 4, 5]
+    passages = [header + list(range(100 * k, 100 * k + 50)) for k in range(1, 4)]  # 3.4 blocks each
+    short = [header + [900 + k] * 6 for k in range(3)]  # inside block 0
+    for prompt in passages + short:
+        blocks.save_blocks(prompt, 0, pages_for(prompt))
+    for prompt in passages + short:
+        found = blocks.match(prompt + [7], LAYOUT)
+        assert found.length == len(prompt)
+        assert [b["attn.0"].tolist() for b in found.blocks] == [p["attn.0"].tolist() for p in pages_for(prompt)]
+    assert blocks.match(header + [4242] * 30, LAYOUT).length == len(header)  # the shared start, from any
+
+
+def test_a_slot_lists_a_bounded_number_of_blocks_the_newest_first(blocks):
+    prompts = [[1, 2, 3] + [50 + k] * 8 for k in range(BlockStore.MAX_VARIANTS + 1)]
+    for prompt in prompts:
+        blocks.save_blocks(prompt, 0, pages_for(prompt))
+    assert blocks.match(prompts[0] + [7], LAYOUT).length == 3  # the oldest left the list
+    assert all(blocks.match(p + [7], LAYOUT).length == len(p) for p in prompts[1:])
+
+
+def test_a_match_ending_where_a_shorter_prompt_ended_resumes_from_its_checkpoint(blocks):
+    """P, then P extended (a conversation's next turn) are stored; a request diverging right after
+    P finds both blocks equally long, and takes P's, whose entry records the state at its end."""
+    prompt = list(range(5, 45))  # ends inside block 2
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    blocks.save_state(prompt, len(prompt), state)
+    blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    extended = prompt + list(range(300, 310))
+    blocks.save_blocks(extended, 2, pages_for(extended, first=2))
+    resume = blocks.resume(prompt + [999] * 10, LAYOUT, STATES, Budget(fraction=0.05))
+    assert (resume.matched, resume.start) == (40, 40) and resume.states is not None
+
+
 def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
     prompt = list(range(5, 45))
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}

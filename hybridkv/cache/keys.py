@@ -149,12 +149,18 @@ class PrefixKeys:
             keys.append(_sha(b"chunk", keys[-1], data[start : start + step]))
         return keys
 
+    def extend(self, key: bytes, tokens) -> bytes:
+        """Key of the prefix `key` (a chunk boundary's) followed by `tokens`, at most one chunk."""
+        if not 0 < len(tokens) <= self.chunk_tokens:
+            raise ValueError(f"extend takes 1 to {self.chunk_tokens} tokens, not {len(tokens)}")
+        return _sha(b"chunk" if len(tokens) == self.chunk_tokens else b"partial", key, token_bytes(tokens))
+
     def prefix(self, tokens, length: int, chain: list[bytes] | None = None) -> bytes:
         """Key of tokens[:length]."""
         chain = chain if chain is not None else self.chain(tokens[:length])
         full = length // self.chunk_tokens
-        rest = token_bytes(tokens[full * self.chunk_tokens : length])
-        return chain[full] if not rest else _sha(b"partial", chain[full], rest)
+        rest = tokens[full * self.chunk_tokens : length]
+        return chain[full] if not len(rest) else self.extend(chain[full], rest)
 
     def chunk(self, tokens) -> bytes:
         """Position-independent key of a chunk: the same tokens anywhere give the same key."""
@@ -171,6 +177,12 @@ def kv_chunk_key(chain_key: bytes, first_token: int) -> str:
     the other loses reuse there, never correctness (tokens are always compared).
     """
     return _sha(b"kv", chain_key, token_bytes([first_token])).hex()
+
+
+def kv_block_key(prefix_key: bytes) -> str:
+    """Where a block of KV lives whose prompt, through the block's last token, has key `prefix_key`:
+    blocks of prompts that share a start and then diverge inside a block each keep their own entry."""
+    return _sha(b"kv-block", prefix_key).hex()
 
 
 def state_key(prefix_key: bytes) -> str:

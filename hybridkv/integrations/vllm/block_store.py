@@ -1,15 +1,21 @@
 """Prefixes in a hybridkv store, in vLLM's own block layout: the connector's bytes, without vLLM.
 
 vLLM's CPU attention keeps each block packed in an ISA-specific layout, so a block is stored and
-restored whole, as opaque bytes, per attention layer. Blocks are keyed as hybridkv keys KV chunks
-(`kv_chunk_key`): by the exact prefix before the block and its first token, with the block's
-tokens inside the entry, so a lookup compares tokens and matches to the exact token even inside
-a block. Linear layers' states are stored as raw pages too, as an exact checkpoint after a saved
-prompt's last token; the block entry holding that position records it, so a lookup knows which
+restored whole, as opaque bytes, per attention layer. A block is stored under the key of its
+prompt through the block's last token (`kv_block_key`), with its tokens inside the entry, so
+prompts that share a start and diverge inside a block keep a block each (a RAG header followed by
+different passages, a system prompt followed by different user turns). To match to the exact
+token inside a block, a reader also needs the blocks it does not know the key of: each (prefix
+before a block, first token) slot (`kv_chunk_key`) lists the token runs of the last few blocks
+stored after it (`MAX_VARIANTS`, newest first); the reader compares its tokens with each, and
+reads the block that shares the most. Full blocks a reader holds whole it finds by key directly.
+Linear layers' states are stored as raw pages too, as an exact checkpoint after a saved prompt's
+last token; the block entry holding that position records it, so a lookup knows which
 checkpoints to ask for without probing every position.
 
 Every read is verified (codec checksum, model fingerprint, key, layout); anything missing or bad
-just shortens the match.
+just shortens the match. Two engines updating one slot's list at once may drop one's entry from
+it: a later miss, never a wrong block (tokens are always compared).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, state_key
+from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key, state_key
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
@@ -72,6 +78,7 @@ class BlockStore:
     reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
     READ_BATCH = 8  # blocks per store round trip, at most
+    MAX_VARIANTS = 8  # blocks listed per (prefix, first token) slot, newest first
 
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
@@ -87,8 +94,11 @@ class BlockStore:
         return self._namespaces[request_salt]
 
     def block_keys(self, tokens: list[int], request_salt: str | None = None) -> list[str]:
-        chain = self.keys(request_salt).chain(tokens)
-        return [kv_chunk_key(chain[i], tokens[start]) for i, start in enumerate(range(0, len(tokens), self.block_size))]
+        """Where each block of the prompt `tokens` is stored (its last one may be partial)."""
+        keys = self.keys(request_salt)
+        chain = keys.chain(tokens)
+        ends = [min(start + self.block_size, len(tokens)) for start in range(0, len(tokens), self.block_size)]
+        return [kv_block_key(keys.prefix(tokens, end, chain)) for end in ends]
 
     def state_key(self, tokens: list[int], position: int, request_salt: str | None = None) -> str:
         return state_key(self.keys(request_salt).prefix(tokens, position))
@@ -103,6 +113,7 @@ class BlockStore:
         stored at that position (inside the last block); `exact`: whether the prompt was computed
         exactly. Returns how many writes succeeded."""
         keys = self.block_keys(tokens, salt)
+        chain = self.keys(salt).chain(tokens)
         written = 0
         for index, block in enumerate(pages, start=first):
             start = index * self.block_size
@@ -110,8 +121,27 @@ class BlockStore:
             meta = {"start": start, "tokens": tokens[start:end], "exact": exact}
             if state_at is not None and start < state_at <= end:
                 meta["checkpoint"] = state_at
-            written += self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block)))
+            if self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block))):
+                written += 1
+                self._list_variant(kv_chunk_key(chain[index], tokens[start]), tokens[start:end])
         return written
+
+    def _list_variant(self, slot: str, tokens: list[int]) -> None:
+        """Put a stored block's tokens first in its slot's list (read, then write: see the module doc)."""
+        run = torch.tensor(tokens, dtype=torch.int32)
+        runs = [run] + [old for old in self._variants(slot) if not torch.equal(old, run)]
+        variants = {str(i): r for i, r in enumerate(runs[: self.MAX_VARIANTS])}
+        self.store.put(slot, encode(Entry("vllm-kv-variants", self.fingerprint, slot, {}, variants)))
+
+    def _variants(self, slot: str) -> list[torch.Tensor]:
+        entry = self._read(slot, "vllm-kv-variants")
+        if entry is None:
+            return []
+        runs = [entry.tensors.get(str(i)) for i in range(len(entry.tensors))]
+        if not all(r is not None and r.dtype == torch.int32 and r.dim() == 1 and len(r) for r in runs):
+            self.store.corrupt(slot, "a block list that is not token runs")
+            return []
+        return runs
 
     def save_state(
         self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
@@ -131,27 +161,52 @@ class BlockStore:
         worker checks when it copies the page); entries that disagree are corrupt."""
         limit = len(tokens) - 1
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
+        keys = self.keys(salt)
+        chain = keys.chain(tokens[:limit])
         found = BlockMatch()
-        for index, key, entry in self._blocks_in_batches(self.block_keys(tokens[:limit], salt)):
-            if entry is None:
-                break
-            stored = entry.meta.get("tokens")
-            if not isinstance(stored, list) or not _fits(entry.tensors, layout):
-                self.store.corrupt(key, "block does not match this engine's attention layout")
-                break
+        # whole blocks, by key: the prompt's own blocks, stored by any prompt that shares them
+        whole = [kv_block_key(chain[i + 1]) for i in range(limit // self.block_size)]
+        for index, key, entry in self._blocks_in_batches(whole):
             start = index * self.block_size
-            common = common_length(stored, wanted[start : start + len(stored)])
-            if common == 0:
+            if entry is None or not self._take(found, key, entry, wanted, start, layout):
                 break
-            found.blocks.append(entry.tensors)
-            found.exact.append(entry.meta.get("exact") is not False)
-            found.length = start + common
-            checkpoint = entry.meta.get("checkpoint")
-            if isinstance(checkpoint, int) and start < checkpoint <= found.length:
-                found.checkpoints.append(checkpoint)
-            if common < self.block_size:
-                break
+            if found.length < start + self.block_size:
+                return found
+        # the block where the match ends: whichever listed block after the same prefix shares most
+        index = len(found.blocks)
+        start = index * self.block_size
+        if start >= limit:
+            return found
+        ahead = wanted[start : start + self.block_size]
+        best, shared = None, 0
+        for run in self._variants(kv_chunk_key(chain[index], int(ahead[0]))):
+            common = common_length(run.numpy(), ahead)
+            # a tie goes to the block that ends there: its entry carries the checkpoint at its end
+            if common > shared or (common == shared and common and len(run) == common):
+                best, shared = run, common
+        if best is not None:
+            key = kv_block_key(keys.extend(chain[index], best.tolist()))
+            entry = self._read(key, "vllm-kv")
+            if entry is not None:
+                self._take(found, key, entry, wanted, start, layout)
         return found
+
+    def _take(self, found: BlockMatch, key: str, entry: Entry, wanted: np.ndarray, start: int, layout: Layout) -> bool:
+        """Add a stored block at `start` to the match, as far as its tokens agree; False if unusable."""
+        stored = entry.meta.get("tokens")
+        if not isinstance(stored, list) or not _fits(entry.tensors, layout):
+            self.store.corrupt(key, "block does not match this engine's attention layout")
+            return False
+        common = common_length(stored, wanted[start : start + len(stored)])
+        if common == 0:
+            return False
+        found.blocks.append(entry.tensors)
+        found.exact.append(entry.meta.get("exact") is not False)
+        found.length = start + common
+        checkpoint = entry.meta.get("checkpoint")
+        if isinstance(checkpoint, int) and start < checkpoint <= found.length:
+            found.checkpoints.append(checkpoint)
+        return True
 
     def _blocks_in_batches(self, keys: list[str]):
         """(index, key, entry) of each block in order. A backend with batched reads is read 1, 2,
