@@ -56,10 +56,12 @@ def start_redis() -> tuple[subprocess.Popen, int]:
 
 
 def entry_keys(stored: StoredPrefixCache, tokens: torch.Tensor, checkpoints) -> list[str]:
+    """Every entry the cached prompt wrote: its KV chunks, the slots listing them, its checkpoints."""
     chain = stored.keys.chain(tokens)
-    size = stored.keys.chunk_tokens
-    kv = [kv_chunk_key(chain[i], int(tokens[start])) for i, start in enumerate(range(0, len(tokens), size))]
-    return kv + [state_key(stored.keys.prefix(tokens, p, chain)) for p in checkpoints]
+    starts = range(0, len(tokens), stored.keys.chunk_tokens)
+    kv = [stored.chunk_key(tokens, i) for i in range(len(starts))]
+    slots = [kv_chunk_key(chain[i], int(tokens[start])) for i, start in enumerate(starts)]
+    return kv + slots + [state_key(stored.keys.prefix(tokens, p, chain)) for p in checkpoints]
 
 
 def main() -> None:

@@ -193,7 +193,6 @@ def test_adaptive_replay_without_a_summary_replays_the_budget(captured):
 
 def test_a_stored_chunk_with_a_malformed_decay_summary_is_rejected(captured):
     """A tampered summary (right checksum, wrong shape) ends the walk there, like any bad chunk."""
-    from hybridkv.cache.keys import kv_chunk_key
     from hybridkv.store.codec import Entry, decode, encode
 
     model, tokens, cached = captured("random-glm5-next")
@@ -201,8 +200,7 @@ def test_a_stored_chunk_with_a_malformed_decay_summary_is_rejected(captured):
     stored = StoredPrefixCache(model, guarded)
     stored.add(cached)
     prompt = torch.cat([tokens[: 5 * DECAY_CHUNK], torch.tensor([1, 2])])
-    chain = stored.keys.chain(prompt[: prompt.numel() - 1])
-    key = kv_chunk_key(chain[2], int(prompt[2 * DECAY_CHUNK]))  # the third chunk
+    key = stored.chunk_key(cached.tokens, 2)  # the third chunk
     entry = decode(guarded.get(key), key=key, fingerprint=stored.fingerprint)
     tensors = {**entry.tensors, "decay": entry.tensors["decay"][:, :1]}  # one linear layer instead of all
     guarded.put(key, encode(Entry(entry.kind, entry.fingerprint, key, entry.meta, tensors)))

@@ -19,7 +19,7 @@ import redis
 import torch
 
 from hybridkv.cache import Hit, capture_prompt
-from hybridkv.cache.keys import kv_chunk_key, state_key
+from hybridkv.cache.keys import state_key
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.eval.validate import ValidateConfig, run_validate, validate_prefix
 from hybridkv.methods import METHODS, Budget, execute
@@ -382,8 +382,7 @@ def damaged_url(request, tmp_path):
 
 
 def _kv_key(stored: StoredPrefixCache, tokens: torch.Tensor, chunk: int) -> str:
-    chain = stored.keys.chain(tokens)
-    return kv_chunk_key(chain[chunk], int(tokens[chunk * CHUNK]))
+    return stored.chunk_key(tokens, chunk)
 
 
 def _state_key(stored: StoredPrefixCache, tokens: torch.Tensor, position: int) -> str:

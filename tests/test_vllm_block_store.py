@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from hybridkv.cache.variants import MAX_VARIANTS
 from hybridkv.integrations.vllm.block_store import BlockStore
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
@@ -73,7 +74,7 @@ def test_prompts_diverging_inside_a_block_each_keep_their_blocks(blocks):
 
 
 def test_a_slot_lists_a_bounded_number_of_blocks_the_newest_first(blocks):
-    prompts = [[1, 2, 3] + [50 + k] * 8 for k in range(BlockStore.MAX_VARIANTS + 1)]
+    prompts = [[1, 2, 3] + [50 + k] * 8 for k in range(MAX_VARIANTS + 1)]
     for prompt in prompts:
         blocks.save_blocks(prompt, 0, pages_for(prompt))
     assert blocks.match(prompts[0] + [7], LAYOUT).length == 3  # the oldest left the list

@@ -168,14 +168,10 @@ class PrefixKeys:
 
 
 def kv_chunk_key(chain_key: bytes, first_token: int) -> str:
-    """Where the KV chunk that starts after prefix `chain_key` with `first_token` lives.
-
-    Keyed by what a reader already knows — the exact prefix before the chunk and the chunk's
-    first token — so a prompt that diverges *inside* the chunk still finds it, compares the
-    tokens stored in it, and reuses the KV up to the exact differing token. Two cached prompts
-    that agree on both but differ later in the chunk share the slot; the later write wins and
-    the other loses reuse there, never correctness (tokens are always compared).
-    """
+    """Where the list of blocks stored after prefix `chain_key` that start with `first_token` lives
+    (`hybridkv.cache.variants`): keyed by what a reader already knows — the exact prefix before
+    the block and its first token — so a prompt that diverges *inside* a block still finds the
+    stored ones, compares their tokens, and reuses KV up to the exact differing token."""
     return _sha(b"kv", chain_key, token_bytes([first_token])).hex()
 
 

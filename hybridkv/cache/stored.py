@@ -1,22 +1,25 @@
 """A prefix cache whose bytes live in a store, shared by every process that opens the same URL.
 
 Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's
-tokens and its rows of the linear layers' decay summary) and one per linear-state checkpoint.
-Looking a prompt up walks its chunks through the store: each chunk is found by the exact prefix
-before it and its first token, its stored tokens are compared with the prompt's, and the walk
-stops at the first differing token — a token-level match that needs no shared index. Anything
-missing, unreadable or failing verification ends the walk there: the hit gets shorter and the
-rest is recomputed.
+tokens and its rows of the linear layers' decay summary), keyed by the prompt through the chunk's
+last token, and one per linear-state checkpoint. Looking a prompt up walks its chunks through the
+store: the chunks it holds whole are found by their keys; the chunk where it diverges from every
+stored prompt is the listed one after the same prefix sharing the most tokens with it
+(`hybridkv.cache.variants`), so prompts that share a start and then differ inside a chunk each keep
+theirs. Stored tokens are always compared with the prompt's, and the walk stops at the first
+differing token — a token-level match that needs no shared index. Anything missing, unreadable or
+failing verification ends the walk there: the hit gets shorter and the rest is recomputed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key, model_fingerprint, state_key
 from hybridkv.cache.prefix_cache import Hit
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
+from hybridkv.cache.variants import BlockVariants
 from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
 from hybridkv.models.kv import LayerKV
 from hybridkv.models.loader import HybridModel
@@ -42,6 +45,12 @@ class StoredPrefixCache:
         self.keys = PrefixKeys(self.fingerprint, salt, chunk_tokens)
         self.checkpoint_interval = checkpoint_interval
         self._dims = {index: model.description.token_tensors(index) for index in model.description.attention_layers}
+        self._variants = BlockVariants(store, self.fingerprint, "kv-variants")
+
+    def chunk_key(self, tokens, index: int) -> str:
+        """Where chunk `index` of the prompt `tokens` is stored: the key of the prompt through its last token."""
+        end = min((index + 1) * self.keys.chunk_tokens, len(tokens))
+        return kv_block_key(self.keys.prefix(tokens, end))
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -53,7 +62,7 @@ class StoredPrefixCache:
         written = 0
         for index, start in enumerate(range(0, len(tokens), size)):
             end = min(start + size, len(tokens))
-            key = kv_chunk_key(chain[index], int(tokens[start]))
+            key = kv_block_key(self.keys.prefix(tokens, end, chain))
             chunk = cached.attention.narrow(start, end)
             tensors = {f"{layer}.{name}": tensor for layer, kv in chunk.items() for name, tensor in kv.tensors.items()}
             meta = {"start": start, "tokens": tokens[start:end].tolist()}
@@ -62,7 +71,9 @@ class StoredPrefixCache:
                 # consecutive chunks concatenate in order whatever the chunk size.
                 tensors["decay"] = cached.decay.log_decay[start // cached.decay.chunk : end // cached.decay.chunk]
                 meta["decay_chunk"] = cached.decay.chunk
-            written += self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors)))
+            if self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors))):
+                written += 1
+                self._variants.add(kv_chunk_key(chain[index], int(tokens[start])), tokens[start:end].tolist())
         for position, states in cached.checkpoints.items():
             key = state_key(self.keys.prefix(tokens, position, chain))
             tensors = {f"{layer}.{name}": t for layer, state in states.items() for name, t in state.tensors.items()}
@@ -151,20 +162,33 @@ class StoredPrefixCache:
         chunk_layers: list[PromptKV] = []
         chunk_decay: list[tuple[torch.Tensor, int] | None] = []
         matched = 0
-        for index, start in enumerate(range(0, limit, size)):
-            found = self._kv_chunk(kv_chunk_key(chain[index], int(prompt[start])), start)
+
+        def take(key: str, start: int) -> bool:
+            """Add the chunk stored under `key` as far as its tokens agree; False if there is none to add."""
+            nonlocal matched
+            found = self._kv_chunk(key, start)
             if found is None:
-                break
+                return False
             tokens, layers, decay = found
             common = common_length(tokens, wanted[start : start + len(tokens)])
             if common == 0:
-                break
+                return False
             chunk_tokens.append(tokens)
             chunk_layers.append(layers)
             chunk_decay.append(decay)
             matched = start + common
-            if common < size:
+            return True
+
+        # the chunks the prompt holds whole, by key; then the one where the match ends, from the list
+        for index in range(limit // size):
+            if not take(kv_block_key(chain[index + 1]), index * size):
                 break
+        start = len(chunk_tokens) * size
+        if matched == start < limit:
+            ahead = wanted[start : start + size]
+            best = self._variants.best(kv_chunk_key(chain[len(chunk_tokens)], int(ahead[0])), ahead)
+            if best is not None:
+                take(kv_block_key(self.keys.extend(chain[len(chunk_tokens)], best)), start)
         if matched == 0:
             return None
         attention = PromptKV.cat(chunk_layers)

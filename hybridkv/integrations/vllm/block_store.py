@@ -2,20 +2,14 @@
 
 vLLM's CPU attention keeps each block packed in an ISA-specific layout, so a block is stored and
 restored whole, as opaque bytes, per attention layer. A block is stored under the key of its
-prompt through the block's last token (`kv_block_key`), with its tokens inside the entry, so
-prompts that share a start and diverge inside a block keep a block each (a RAG header followed by
-different passages, a system prompt followed by different user turns). To match to the exact
-token inside a block, a reader also needs the blocks it does not know the key of: each (prefix
-before a block, first token) slot (`kv_chunk_key`) lists the token runs of the last few blocks
-stored after it (`MAX_VARIANTS`, newest first); the reader compares its tokens with each, and
-reads the block that shares the most. Full blocks a reader holds whole it finds by key directly.
-Linear layers' states are stored as raw pages too, as an exact checkpoint after a saved prompt's
-last token; the block entry holding that position records it, so a lookup knows which
-checkpoints to ask for without probing every position.
+prompt through the block's last token, with its tokens inside the entry, and listed in its slot
+for readers whose prompt diverges inside it (`hybridkv.cache.variants`). Linear layers' states are
+stored as raw pages too, as an exact checkpoint after a saved prompt's last token; the block entry
+holding that position records it, so a lookup knows which checkpoints to ask for without probing
+every position.
 
 Every read is verified (codec checksum, model fingerprint, key, layout); anything missing or bad
-just shortens the match. Two engines updating one slot's list at once may drop one's entry from
-it: a later miss, never a wrong block (tokens are always compared).
+just shortens the match.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key, state_key
 from hybridkv.cache.prefix_index import common_length
+from hybridkv.cache.variants import BlockVariants
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.codec import Entry, encode
@@ -78,7 +73,6 @@ class BlockStore:
     reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
     READ_BATCH = 8  # blocks per store round trip, at most
-    MAX_VARIANTS = 8  # blocks listed per (prefix, first token) slot, newest first
 
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
@@ -86,6 +80,7 @@ class BlockStore:
         self.block_size = block_size
         self.salt = salt
         self._namespaces: dict[str | None, PrefixKeys] = {}
+        self._variants = BlockVariants(store, fingerprint, "vllm-kv-variants")
 
     def keys(self, request_salt: str | None = None) -> PrefixKeys:
         if request_salt not in self._namespaces:
@@ -123,25 +118,8 @@ class BlockStore:
                 meta["checkpoint"] = state_at
             if self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block))):
                 written += 1
-                self._list_variant(kv_chunk_key(chain[index], tokens[start]), tokens[start:end])
+                self._variants.add(kv_chunk_key(chain[index], tokens[start]), tokens[start:end])
         return written
-
-    def _list_variant(self, slot: str, tokens: list[int]) -> None:
-        """Put a stored block's tokens first in its slot's list (read, then write: see the module doc)."""
-        run = torch.tensor(tokens, dtype=torch.int32)
-        runs = [run] + [old for old in self._variants(slot) if not torch.equal(old, run)]
-        variants = {str(i): r for i, r in enumerate(runs[: self.MAX_VARIANTS])}
-        self.store.put(slot, encode(Entry("vllm-kv-variants", self.fingerprint, slot, {}, variants)))
-
-    def _variants(self, slot: str) -> list[torch.Tensor]:
-        entry = self._read(slot, "vllm-kv-variants")
-        if entry is None:
-            return []
-        runs = [entry.tensors.get(str(i)) for i in range(len(entry.tensors))]
-        if not all(r is not None and r.dtype == torch.int32 and r.dim() == 1 and len(r) for r in runs):
-            self.store.corrupt(slot, "a block list that is not token runs")
-            return []
-        return runs
 
     def save_state(
         self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
@@ -178,14 +156,9 @@ class BlockStore:
         if start >= limit:
             return found
         ahead = wanted[start : start + self.block_size]
-        best, shared = None, 0
-        for run in self._variants(kv_chunk_key(chain[index], int(ahead[0]))):
-            common = common_length(run.numpy(), ahead)
-            # a tie goes to the block that ends there: its entry carries the checkpoint at its end
-            if common > shared or (common == shared and common and len(run) == common):
-                best, shared = run, common
+        best = self._variants.best(kv_chunk_key(chain[index], int(ahead[0])), ahead)
         if best is not None:
-            key = kv_block_key(keys.extend(chain[index], best.tolist()))
+            key = kv_block_key(keys.extend(chain[index], best))
             entry = self._read(key, "vllm-kv")
             if entry is not None:
                 self._take(found, key, entry, wanted, start, layout)
