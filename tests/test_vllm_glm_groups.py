@@ -108,8 +108,8 @@ def glm_layer_specs(latent_cache: str = "auto") -> dict[str, KVCacheSpec]:
     return specs
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
+def connector_config(model: ModelStandIn) -> VllmConfig:
+    """vLLM's config for an engine with the connector, prefix caching off, and its KV layout."""
     config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
         kv_transfer_config=KVTransferConfig(
@@ -120,8 +120,13 @@ def vllm_config() -> VllmConfig:
         ),
     )
     config.cache_config.kv_cache_layout = "BLHNC"  # what the engine core resolves for mixed page sizes
-    config.model_config = ModelStandIn()
+    config.model_config = model
     return config
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return connector_config(ModelStandIn())
 
 
 # GLM-5.3-Flash's latent in bf16, and in FlashMLA-sparse's packed fp8 format: 656 bytes a token
@@ -372,19 +377,19 @@ def test_verified_pages_held_for_unadmitted_requests_are_capped_in_bytes(vllm_co
             save(engine, second, request_blocks(engine, first=10, count=3))
             a, b = request("a", first + tokens(20, seed=42)), request("b", second + tokens(20, seed=43))
             assert look_up(engine, a) == len(first)  # a's pages are held until a is admitted
-            held = engine.scheduler._held_bytes
+            held = engine.scheduler.held_bytes
             one_request_mib = held / 2**20
             if cap_mib is None:
                 assert look_up(engine, b) == len(second)  # well under 1 GiB: b is looked up at once
-                assert engine.scheduler._held_bytes > held
+                assert engine.scheduler.held_bytes > held
                 continue
             assert held > cap_mib * 2**20
             for _ in range(3):  # over the cap: b waits, however often vLLM asks
                 assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (None, False)
                 time.sleep(0.05)
-            assert "b" not in engine.scheduler._lookups
+            assert engine.scheduler.lookups_in_flight == 0  # b's lookup was never submitted
             done, failed = load(engine, a, len(first), request_blocks(engine, first=20, count=3))
-            assert done == {"a"} and not failed and engine.scheduler._held_bytes == 0
+            assert done == {"a"} and not failed and engine.scheduler.held_bytes == 0
             assert look_up(engine, b) == len(second)  # a's pages left with its load: b goes on
         finally:
             engine.worker.shutdown()

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: E402
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
@@ -34,6 +34,7 @@ from tests.test_vllm_glm_groups import (  # noqa: E402
     BLOCK,
     Engine,
     ModelStandIn,
+    connector_config,
     look_up,
     make_engine,
     request,
@@ -61,18 +62,7 @@ def plain_hybrid_specs() -> dict[str, KVCacheSpec]:
 
 @pytest.fixture(scope="module")
 def plain_config() -> VllmConfig:
-    config = VllmConfig(
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridKVConnector",
-            kv_connector_module_path="hybridkv.integrations.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-        ),
-    )
-    config.cache_config.kv_cache_layout = "BLHNC"
-    config.model_config = ModelStandIn(model="qwen3-next-shaped")
-    return config
+    return connector_config(ModelStandIn(model="qwen3-next-shaped"))
 
 
 @pytest.fixture
@@ -197,16 +187,19 @@ def test_a_synchronous_load_the_worker_cannot_make_stops_the_step_and_an_asynchr
 def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reuses_them(engine):
     """Two clients send one new long prefix at once: the second waits while the first computes and
     saves it, then loads it, instead of computing it alongside (which the store could not save it
-    from: its pages land only once the first prompt is complete)."""
+    from: its pages land only once the first prompt is complete). vLLM asks about every waiting
+    request before it builds the step's metadata, so the second waits from the moment the first's
+    lookup answers, even in the same step."""
     scheduler = engine.scheduler
     shared = tokens(5 * BLOCK, 3)
     first = shared + tokens(20, 4)
+    assert look_up(engine, request("a", first)) == 0  # a miss: a will compute the prefix
+    second = request("b", shared + tokens(30, 5))
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # same step as a's answer
+    assert scheduler.lookups_in_flight == 0  # no lookup while a computes the prefix it wants
     first_blocks = request_blocks(engine, 0, 6)
     scheduler.build_connector_meta(scheduled(new=[("a", first, first_blocks, BLOCK)]))  # a's first chunk
-
-    second = request("b", shared + tokens(30, 5))
     assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
-    assert "b" not in scheduler._lookups  # no lookup while a computes the prefix it wants
     other_tenant = request("c", shared + tokens(30, 6))
     other_tenant.cache_salt = "tenant-2"  # a's pages are not its own: nothing to wait for
     assert look_up(engine, other_tenant) == 0
@@ -228,8 +221,15 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reus
 def test_a_request_stops_waiting_for_a_prefix_whose_request_ended_before_its_prompt_was_complete(engine):
     scheduler = engine.scheduler
     shared = tokens(5 * BLOCK, 8)
+    assert look_up(engine, request("a", shared + [1, 2])) == 0
     scheduler.build_connector_meta(scheduled(new=[("a", shared + [1, 2], request_blocks(engine, 0, 6), BLOCK)]))
     waiting = request("b", shared + [3, 4])
     assert scheduler.get_num_new_matched_tokens(waiting, 0) == (None, False)
     scheduler.build_connector_meta(scheduled(finished=["a"]))  # aborted mid-prefill: no save will come
     assert look_up(engine, waiting) == 0
+    # b, a miss, will compute the prefix now; aborted before vLLM schedules it, it is finished all
+    # the same, and nobody waits for it any more
+    late = request("c", shared + [5, 6])
+    assert scheduler.get_num_new_matched_tokens(late, 0) == (None, False)
+    scheduler.build_connector_meta(scheduled(finished=["b"]))
+    assert look_up(engine, late) == 0

@@ -263,7 +263,7 @@ class _Hit:  # scheduler-side record of a request's lookup, with its verified pa
 
 
 @dataclass
-class _Source:  # scheduler-side: a prompt being computed (or saved) whose pages later lookups may want
+class _Source:  # scheduler-side: a prompt to be computed (or saved) whose pages later lookups may want
     tokens: np.ndarray
     salt: str | None
     stored: int  # tokens of it the store held already when it was looked up
@@ -496,6 +496,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: a dropped save is a later miss
         return False
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of verified pages held in memory for requests vLLM has not admitted yet."""
+        return self._held_bytes
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Lookups submitted to the lookup thread and not yet taken by their request."""
+        return len(self._lookups)
+
     def _layouts(self) -> tuple[dict[str, int | None], dict[str, int | None]]:
         """Bytes of each attention layer's block and each linear layer's state, without padding
         (None: a layer whose page size only the worker's config holds; the worker checks it)."""
@@ -541,6 +551,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not lookup.done():
                 return None, False
             hit = self._hits[req_id] = self._lookups.pop(req_id).result()
+            # From here on it computes the rest of its prompt: a request asked about later, even
+            # in this same step (before vLLM builds the step's metadata), waits for its pages.
+            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            self._sources[req_id] = _Source(tokens, self._salts.get(req_id), hit.matched)
             if hit.resume is not None:
                 self._held += 1
                 self._held_bytes += hit.resume.nbytes
@@ -571,6 +585,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         salt = getattr(request, "cache_salt", None)
         prompt = np.asarray(request.prompt_token_ids[:-1], dtype=np.int64)  # one token is always computed
         for source_id, source in self._sources.items():
+            if source_id == req_id:
+                continue
             gain = common_length(source.tokens, prompt) - source.stored
             if source.salt == salt and gain >= self.WAIT_FOR_PREFIX_TOKENS:
                 self._waiting_on[req_id] = source_id
@@ -679,9 +695,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
                 self._salts.get(new.req_id), exact,
             )  # fmt: skip
-            if new.prompt_token_ids:
-                tokens = np.asarray(new.prompt_token_ids, dtype=np.int64)
-                self._sources[new.req_id] = _Source(tokens, self._salts.get(new.req_id), matched)
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -727,7 +740,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._uncacheable.discard(req_id)
         self._waiting_on.pop(req_id, None)
         tracked = self._tracked.pop(req_id, None)
-        if tracked is not None and not tracked.saved:  # finished before its prompt was complete: no save comes
+        if tracked is None or not tracked.saved:  # finished before its prompt was complete: no save comes
             self._sources.pop(req_id, None)
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
