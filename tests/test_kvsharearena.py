@@ -248,7 +248,7 @@ def their_pgr(doc: dict, anchors: dict) -> float | None:
 
 def test_arena_runs_the_release_and_exports_kva_results(tmp_path, capsys):
     from hybridkv.cli import main
-    from hybridkv.eval.kva import record_run
+    from hybridkv.eval.kva import check_resume
 
     queryset = write_release(tmp_path / "release")
     out = tmp_path / "arena"
@@ -302,7 +302,7 @@ def test_arena_runs_the_release_and_exports_kva_results(tmp_path, capsys):
         if s["method"] == "naive+linearkv":  # stored KV and states reused, only the question run
             assert all(i["recomputed_layer_tokens"] == 0 < i["kv_bytes"] for i in doc["results"])
     with pytest.raises(HybridKVError, match="was started with --model random-nemotron-h, not --model random-olmo"):
-        record_run(out, model="random-olmo-hybrid", dtype="float32", device="auto", seed=0, max_new_tokens=4)
+        check_resume(out, model="random-olmo-hybrid", dtype="float32", seed=0, max_new_tokens=4)
 
 
 def test_export_pgr_is_the_arenas_where_the_gap_is_defined(tmp_path):

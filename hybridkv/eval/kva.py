@@ -115,8 +115,8 @@ def check_resume(out: Path, **run) -> None:
 
 def record_run(out: Path, *, device: str, **run) -> None:
     """Write OUT/run.json: the run's options (`RUN_OPTIONS`'s keys), the device, versions and git
-    revision, for the exports and for `check_resume`; a resumed run keeps the file it started with."""
-    check_resume(out, **run)
+    revision, for the exports and for `check_resume`; a resumed run keeps the file it started with
+    (the caller has run `check_resume` before loading anything)."""
     path = Path(out) / RUN_FILE
     if path.exists():
         return

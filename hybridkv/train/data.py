@@ -334,14 +334,11 @@ def variable_tracking(rng: random.Random, length: int) -> Example | None:
             inserts += list(zip(fractions, lines, strict=True))
         return inserts
 
-    intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    from hybridkv.eval.workloads.ruler import VT_INTRO as intro  # the arena's own wording
+    from hybridkv.eval.workloads.ruler import vt_question
 
     def question(value: str, count: int) -> str:
-        return (
-            f"\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: According "
-            f"to the chain(s) of variable assignment in the text above, {count} variables are assigned the value "
-            f"{value}, they are: "
-        )
+        return vt_question(value, count)[0]
 
     taken: set[str] = set()
     hops = rng.randint(1, 5)

@@ -569,10 +569,10 @@ def _niah(cfg: dict, rng: random.Random, sample_seed: str) -> tuple[Callable[[in
 # ---------------------------------------------------------------------------------------------
 # vt: variable tracking
 
-_VT_TEMPLATE = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 
 
-def _vt_question(value: str, num_v: int) -> tuple[str, str]:
+def vt_question(value: str, num_v: int) -> tuple[str, str]:
     answer_prefix = (
         f" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
         f"assigned the value {value}, they are: "
@@ -627,23 +627,23 @@ def _vt(task: str, cfg: dict, rng: random.Random, tokenizer, state: dict) -> tup
     names, chains = _vt_chains(rng, num_chains, num_hops, 5, taken)
     fractions = [sorted(rng.random() for _ in chain) for chain in chains]
     value = chains[0][0].split("=")[-1].strip()
-    question, answer_prefix = _vt_question(value, num_hops + 1)
+    question, answer_prefix = vt_question(value, num_hops + 1)
 
     # The in-context example: 3-letter names, at most 10 hops, its whole prompt within 500 tokens.
     icl_hops = min(10, num_hops)
     icl_names, icl_chains = _vt_chains(rng, num_chains, icl_hops, 3, taken)
     icl_fractions = [sorted(rng.random() for _ in chain) for chain in icl_chains]
     icl_value = icl_chains[0][0].split("=")[-1].strip()
-    icl_question, _ = _vt_question(icl_value, icl_hops + 1)
+    icl_question, _ = vt_question(icl_value, icl_hops + 1)
 
     def build_icl(k: int) -> _Draft:
         body, _, _ = _vt_body(icl_chains, icl_fractions, k, 0)
-        return _Draft(_VT_TEMPLATE + body, icl_question, [], {})
+        return _Draft(VT_INTRO + body, icl_question, [], {})
 
     icl, _, icl_k = _fit(task, 500 + TOKENS_TO_GENERATE[task], build_icl, tokenizer, 500, 1, state.get("icl_k"))
     state["icl_k"] = icl_k
     icl_text = icl.context + icl.question + " " + " ".join(icl_names[0]) + "\n"
-    preamble = icl_text + "\n" + _VT_TEMPLATE
+    preamble = icl_text + "\n" + VT_INTRO
     icl_tokens = len(tokenizer.encode(icl_text))
 
     def build(k: int) -> _Draft:
