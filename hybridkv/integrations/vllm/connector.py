@@ -568,8 +568,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return hit.start, hit.start > 0 and not self.sync_loads
 
     def _waits_for_source(self, request) -> bool:
-        """Whether the request should wait for another one's pages: that one is computing (or
-        saving) at least `WAIT_FOR_PREFIX_TOKENS` more of this prompt than the store holds. Two
+        """Whether the request should wait for another one's pages: that one is to compute (its
+        lookup has answered), is computing or is saving at least `WAIT_FOR_PREFIX_TOKENS` more of
+        this prompt than the store holds. Two
         clients sending one long new prefix at once would otherwise both compute it; vLLM's own
         prefix cache shares blocks while they are computed, the store only once they are saved."""
         req_id = request.request_id
