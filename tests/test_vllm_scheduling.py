@@ -218,6 +218,25 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reus
     assert scheduler.get_kv_connector_stats().data["counters"]["lookups_deferred"] == 1
 
 
+def test_a_next_turn_sent_while_the_last_ones_pages_are_written_waits_for_them(engine):
+    """A conversation's next turn, sent the moment the last one is answered, adds far fewer than
+    `WAIT_FOR_PREFIX_TOKENS` to it; the last turn's save is already on its way, so the next turn
+    waits the milliseconds it takes instead of missing those pages."""
+    scheduler = engine.scheduler
+    turn = tokens(3 * BLOCK, 20)
+    assert 3 * BLOCK < scheduler.WAIT_FOR_PREFIX_TOKENS
+    assert look_up(engine, request("a", turn)) == 0
+    meta = scheduler.build_connector_meta(scheduled(new=[("a", turn, request_blocks(engine, 0, 4), len(turn))]))
+    assert [save.req_id for save in meta.saves] == ["a"]  # a's prompt is complete in this step
+    scheduler.build_connector_meta(scheduled(finished=["a"]))  # answered (one token)
+    following = request("b", turn + tokens(40, 21))  # the reply and the next message
+    assert scheduler.get_num_new_matched_tokens(following, 0) == (None, False)
+    step_worker(engine, meta)
+    assert engine.worker._writer.drain(timeout=30)
+    report_back(engine)
+    assert look_up(engine, following) > 2 * BLOCK  # a's pages, but for its budget's tail
+
+
 def test_a_request_stops_waiting_for_a_prefix_whose_request_ended_before_its_prompt_was_complete(engine):
     scheduler = engine.scheduler
     shared = tokens(5 * BLOCK, 8)

@@ -411,7 +411,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     # a whole engine step). A lookup reading a few MiB from a local store takes 5-30 ms.
     LOOKUP_WAIT_S = 0.05
     # A new prompt sharing at least this many more tokens with one being computed than the store
-    # holds waits for that prompt's pages instead of computing them a second time alongside it.
+    # holds waits for that prompt's pages instead of computing them a second time alongside it
+    # (with one whose pages are being written, any number of tokens).
     WAIT_FOR_PREFIX_TOKENS = 512
     SAVE_NOTICE_TIMEOUT_S = 10.0  # a save the worker never reports done stops holding lookups back
 
@@ -569,10 +570,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _waits_for_source(self, request) -> bool:
         """Whether the request should wait for another one's pages: that one is to compute (its
-        lookup has answered), is computing or is saving at least `WAIT_FOR_PREFIX_TOKENS` more of
-        this prompt than the store holds. Two
-        clients sending one long new prefix at once would otherwise both compute it; vLLM's own
-        prefix cache shares blocks while they are computed, the store only once they are saved."""
+        lookup has answered) or is computing at least `WAIT_FOR_PREFIX_TOKENS` more of this prompt
+        than the store holds, or its pages are being written and hold any more of it. Two clients
+        sending one long new prefix at once would otherwise both compute it (vLLM's own prefix
+        cache shares blocks while they are computed, the store only once they are saved), and a
+        conversation's next turn sent at once would miss the last turn's pages by milliseconds."""
         req_id = request.request_id
         now = time.monotonic()
         for source_id, source in list(self._sources.items()):
@@ -589,7 +591,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if source_id == req_id:
                 continue
             gain = common_length(source.tokens, prompt) - source.stored
-            if source.salt == salt and gain >= self.WAIT_FOR_PREFIX_TOKENS:
+            # a save in flight is milliseconds away: worth waiting for whatever it adds
+            wanted = 1 if source.saved_at is not None else self.WAIT_FOR_PREFIX_TOKENS
+            if source.salt == salt and gain >= wanted:
                 self._waiting_on[req_id] = source_id
                 self._count("lookups_deferred")
                 return True
