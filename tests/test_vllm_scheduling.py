@@ -225,10 +225,12 @@ def test_a_next_turn_sent_while_the_last_ones_pages_are_written_waits_for_them(e
     scheduler = engine.scheduler
     turn = tokens(3 * BLOCK, 20)
     assert 3 * BLOCK < scheduler.WAIT_FOR_PREFIX_TOKENS
-    assert look_up(engine, request("a", turn)) == 0
+    last = request("a", turn)
+    assert look_up(engine, last) == 0
     meta = scheduler.build_connector_meta(scheduled(new=[("a", turn, request_blocks(engine, 0, 4), len(turn))]))
     assert [save.req_id for save in meta.saves] == ["a"]  # a's prompt is complete in this step
-    scheduler.build_connector_meta(scheduled(finished=["a"]))  # answered (one token)
+    scheduler.request_finished_all_groups(last, ())  # answered (one token): vLLM frees it
+    scheduler.build_connector_meta(scheduled(finished=["a"]))  # and names it in the next step's output
     following = request("b", turn + tokens(40, 21))  # the reply and the next message
     assert scheduler.get_num_new_matched_tokens(following, 0) == (None, False)
     step_worker(engine, meta)

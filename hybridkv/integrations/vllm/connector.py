@@ -744,9 +744,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _forget(self, req_id: str) -> dict | None:
         self._uncacheable.discard(req_id)
         self._waiting_on.pop(req_id, None)
-        tracked = self._tracked.pop(req_id, None)
-        if tracked is None or not tracked.saved:  # finished before its prompt was complete: no save comes
-            self._sources.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+        if (source := self._sources.get(req_id)) is not None and source.saved_at is None:
+            del self._sources[req_id]  # finished before its prompt was complete: no save comes
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
             lookup.cancel()  # aborted while its lookup ran
