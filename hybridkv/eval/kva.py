@@ -268,7 +268,8 @@ def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) 
         summary_row = ours[(task, length, method, budget)]
         cap = run.get("max_new_tokens")
         budget_tokens = first.meta["tokens_to_generate"] if cap is None else min(cap, first.meta["tokens_to_generate"])
-        queryset = {"file": first.meta["file"], "sha256": first.meta["sha256"]}
+        queryset = {"file": first.meta["file"], "sha256": first.meta["sha256"],
+                    "manifest_checked": first.meta.get("manifest_checked")}  # fmt: skip
         if "reports_file" in first.meta:
             queryset.update(
                 {"reports_file": first.meta["reports_file"], "reports_sha256": first.meta["reports_sha256"]}

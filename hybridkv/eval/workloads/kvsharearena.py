@@ -10,16 +10,22 @@ answers back as its `kva.result.v1` result files.
 **Data** (`--data DIR`; nothing is downloaded). DIR is the release's `data/queryset` folder (or a
 folder holding `data/queryset`):
 - `<subset>_n100.jsonl` (any one `<subset>_n<N>.jsonl`): one question per line with `_id`,
-  `context`, `input`, `answers` and `chunks`; `"".join(chunks) == context` (passage boundaries
-  for hotpotqa, 512-token pieces for the single-document subsets); `n_chunks`, when present, must
-  count them.
+  `context`, `input`, `answers` and `chunks` (passage boundaries for hotpotqa, 512-token pieces
+  for the single-document subsets); `n_chunks`, when present, must count them. The chunks are what
+  is cached and what the prompt holds, as in KVShareArena's harness, which reads `chunks` only.
+  `context` is meant to be their join but not always is: a 512-token boundary can fall inside a
+  character, which the release stores as U+FFFD on both sides (multifieldqa_en line 2 cuts "Λ"),
+  so such a line is read from its chunks and reported once through the `hybridkv.eval` logger.
 - `agent_reports/<subset>_notes.jsonl`: per question `_id`, `input` and `notes`, one note per
   passage (`passage_idx` 0, 1, ... in order, `note_text`); the golds come from the subset's
   queryset, joined on `_id`.
-- `sha256.json`, when present: every file read here that it lists must match its checksum.
+- `sha256.json`, when present: every file read here that it lists must match its checksum. It
+  holds whole-file hashes, so a folder of some lines of the release cannot carry it; without it
+  the files are read unchecked, and the export says so (`manifest_checked` false, as KVShareArena
+  records it).
 A file that is there but cannot be read, a line that is not a JSON object, a missing or ill-typed
-field, chunks that do not join to the context or a duplicate `_id` is a HybridKVError naming the
-file and line; a record is never skipped or cut. A task whose files are absent raises
+field, an `n_chunks` that does not count the chunks or a duplicate `_id` is a HybridKVError naming
+the file and line; a record is never skipped or cut. A task whose files are absent raises
 MissingDataError (the CLI reports it and runs the other tasks).
 
 **Tasks**: `re-<subset>` and `ar-<subset>`, track and subset as KVShareArena names them.
@@ -47,6 +53,7 @@ F1 (`scoring.qa_f1_score`), the best over the golds, 0.0 with no golds.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from pathlib import Path
 
@@ -64,6 +71,10 @@ TOKENS_TO_GENERATE = {task: MAX_NEW_TOKENS[task.split("-", 1)[1]] for task in TA
 NOTE_SEPARATOR = "\n\n"
 REPO_URL = "https://github.com/xishi404/KVShareArena"
 _QUERYSET = re.compile(r"(?P<subset>.+)_n(?P<n>\d+)\.jsonl")
+log = logging.getLogger("hybridkv.eval")
+# (file, sha256, line) of each line whose context was reported as differing from its chunks: a
+# run reads a queryset once per length, and one report per line is enough.
+_REPORTED: set[tuple[str, str, int]] = set()
 
 
 def track_subset(task: str) -> tuple[str, str]:
@@ -102,20 +113,21 @@ def _queryset_file(root: Path, subset: str, need: str) -> Path:
     return found[0]
 
 
-def _read(path: Path, root: Path) -> tuple[bytes, str]:
-    """The file's bytes and sha256, checked against `root/sha256.json` when that lists it."""
+def _read(path: Path, root: Path) -> tuple[bytes, str, bool]:
+    """The file's bytes, its sha256, and whether `root/sha256.json` lists it (then it matched)."""
     try:
         data = path.read_bytes()
     except OSError as err:
         raise HybridKVError(f"{path}: cannot read ({err.strerror or err})") from err
     digest = hashlib.sha256(data).hexdigest()
     sums = root / "sha256.json"
-    if sums.exists():
-        expected = read_json_object(sums, "JSON checksum list (file -> sha256)")
-        want = expected.get(path.relative_to(root).as_posix())
-        if want is not None and want != digest:
-            raise HybridKVError(f"{path}: sha256 {digest[:12]}… is not the {str(want)[:12]}… sha256.json records")
-    return data, digest
+    if not sums.exists():
+        return data, digest, False
+    expected = read_json_object(sums, "JSON checksum list (file -> sha256)")
+    want = expected.get(path.relative_to(root).as_posix())
+    if want is not None and want != digest:
+        raise HybridKVError(f"{path}: sha256 {digest[:12]}… is not the {str(want)[:12]}… sha256.json records")
+    return data, digest, want is not None
 
 
 def _records(path: Path, data: bytes) -> list[tuple[int, dict]]:
@@ -144,7 +156,7 @@ def _strings(record: dict, key: str, where: str) -> list[str]:
 
 
 def _question(record: dict, where: str) -> dict:
-    """The checked fields of one queryset line."""
+    """The checked fields of one queryset line (`context` is only compared with the chunks)."""
     _id = _field(record, "_id", str, where)
     context = _field(record, "context", str, where)
     query = _field(record, "input", str, where)
@@ -153,17 +165,20 @@ def _question(record: dict, where: str) -> dict:
     declared = record.get("n_chunks")
     if declared is not None and declared != len(chunks):
         raise HybridKVError(f"{where}: declares n_chunks {declared!r} but holds {len(chunks)} chunks")
-    joined = "".join(chunks)
-    if joined != context:
-        at = next((i for i, (a, b) in enumerate(zip(joined, context, strict=False)) if a != b), None)
-        at = min(len(joined), len(context)) if at is None else at
-        raise HybridKVError(f"{where}: its chunks do not join to its context (they differ at character {at})")
-    return {"_id": _id, "input": query, "answers": answers, "chunks": chunks, "record": record}
+    return {"_id": _id, "input": query, "answers": answers, "chunks": chunks, "context": context, "record": record}
 
 
-def _queryset(root: Path, subset: str, need: str) -> tuple[Path, str, list[tuple[int, dict]]]:
+def _differs_at(joined: str, context: str) -> int | None:
+    """The first character at which the chunks' join and the context differ; None where they agree."""
+    if joined == context:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(joined, context, strict=False)) if a != b), None)
+    return min(len(joined), len(context)) if at is None else at
+
+
+def _queryset(root: Path, subset: str, need: str) -> tuple[Path, str, bool, list[tuple[int, dict]]]:
     path = _queryset_file(root, subset, need)
-    data, digest = _read(path, root)
+    data, digest, checked = _read(path, root)
     rows, seen = [], {}
     for number, record in _records(path, data):
         row = _question(record, f"{path}:{number}")
@@ -171,7 +186,16 @@ def _queryset(root: Path, subset: str, need: str) -> tuple[Path, str, list[tuple
             raise HybridKVError(f"{path}:{number}: _id {row['_id']!r} again (first on line {seen[row['_id']]})")
         seen[row["_id"]] = number
         rows.append((number, row))
-    return path, digest, rows
+    for number, row in rows:  # after the whole file passed: a refused file reports nothing
+        at = _differs_at("".join(row["chunks"]), row["context"])
+        key = (str(path.resolve()), digest, number)
+        if at is not None and key not in _REPORTED:
+            _REPORTED.add(key)
+            log.warning(
+                "%s:%d: its context differs from its %d chunks joined (at character %d); the chunks are cached and "
+                "prompted, as KVShareArena's harness does", path, number, len(row["chunks"]), at,
+            )  # fmt: skip
+    return path, digest, checked, rows
 
 
 def _notes(record: dict, where: str) -> list[str]:
@@ -204,7 +228,8 @@ def _split_template(subset: str) -> tuple[str, str]:
 def load(task: str, data_path: str | Path | None, n: int | None = None) -> list[dict]:
     """The first `n` questions of `task` (all when None) as dicts: `_id`, `input`, `answers`, the
     cached pieces `chunks` (the record's chunks, or the notes each followed by NOTE_SEPARATOR),
-    and where they came from (`file`, `line`, `sha256`, for ar also the `reports_*` of the notes)."""
+    and where they came from (`file`, `line`, `sha256`, `manifest_checked`: whether sha256.json
+    vouched for every file read; for ar also the `reports_*` of the notes)."""
     track, subset = track_subset(task)
     if n is not None and n < 0:
         raise HybridKVError(f"kvsharearena {task}: the number of samples must be >= 0, not {n}")
@@ -212,19 +237,20 @@ def load(task: str, data_path: str | Path | None, n: int | None = None) -> list[
     need = f"kvsharearena {task} skipped: needs --data DIR with KVShareArena's {where} ({REPO_URL})"
     root = _root(data_path, need)
     if track == "re":
-        path, digest, rows = _queryset(root, subset, need)
+        path, digest, checked, rows = _queryset(root, subset, need)
         out = [
             {**{k: row[k] for k in ("_id", "input", "answers", "chunks")}, "file": path.name, "line": number,
-             "sha256": digest, **{k: row["record"].get(k) for k in ("chunk_mode", "n_tok_ctx")}}
+             "sha256": digest, "manifest_checked": checked,
+             **{k: row["record"].get(k) for k in ("chunk_mode", "n_tok_ctx")}}
             for number, row in rows
         ]  # fmt: skip
         return out[:n] if n is not None else out
     reports = root / "agent_reports" / f"{subset}_notes.jsonl"
     if not reports.exists():
         raise MissingDataError(f"{need}; {root} holds no agent_reports/{subset}_notes.jsonl")
-    path, digest, rows = _queryset(root, subset, f"{need} (and its {subset}_n100.jsonl for the answers)")
+    path, digest, checked, rows = _queryset(root, subset, f"{need} (and its {subset}_n100.jsonl for the answers)")
     by_id = {row["_id"]: (number, row) for number, row in rows}
-    data, reports_digest = _read(reports, root)
+    data, reports_digest, reports_checked = _read(reports, root)
     out, seen = [], {}
     for number, record in _records(reports, data):
         here = f"{reports}:{number}"
@@ -241,8 +267,8 @@ def load(task: str, data_path: str | Path | None, n: int | None = None) -> list[
         notes = [text + NOTE_SEPARATOR for text in _notes(record, here)]
         out.append(
             {"_id": _id, "input": query, "answers": question["answers"], "chunks": notes, "file": path.name,
-             "line": line, "sha256": digest, "reports_file": f"agent_reports/{reports.name}", "reports_line": number,
-             "reports_sha256": reports_digest}
+             "line": line, "sha256": digest, "manifest_checked": checked and reports_checked,
+             "reports_file": f"agent_reports/{reports.name}", "reports_line": number, "reports_sha256": reports_digest}
         )  # fmt: skip
     return out[:n] if n is not None else out
 
