@@ -87,10 +87,11 @@ def tokens(n: int, seed: int) -> list[int]:
 
 # Two runs that compute the same thing by different code paths (another prefill split, another
 # OpenMP thread count, a kernel chosen for this CPU's ISA) differ by bf16 rounding: bf16 keeps 8
-# significant bits (unit roundoff 2^-9 ≈ 2e-3), and a logprob of size ~5 after a dozen bf16 layers
-# moves by a few of its ulps (measured: up to 4e-3 across thread counts on an AMD EPYC, ~1e-2 across
-# prefill splits). Exactness is claimed bit for bit only between runs of one code path.
-BF16_LOGPROB_TOL = 0.02
+# significant bits (unit roundoff 2^-9 ≈ 2e-3), so a logprob of size ~5 after a dozen bf16 layers
+# moves by a few of its ulps: 0.02 is the least tolerance that resolution allows. How far it moves on
+# this machine is measured (`bf16_logprob_tol`); exactness is claimed bit for bit only between runs
+# of one code path.
+BF16_LOGPROB_RESOLUTION = 0.02
 
 
 # vLLM alone against itself with the prefill split elsewhere or batched with other requests: up to 0.17
@@ -141,6 +142,21 @@ def split_at_exact(checkpoint):
     shutdown(llm)
 
 
+@pytest.fixture(scope="module")
+def bf16_logprob_tol(alone, split_at_exact) -> float:
+    """How far vLLM alone moves from itself in bf16 when its prefill is split elsewhere, measured on
+    this machine (AMX, AVX-512-bf16 and AVX2 kernels round differently) at the first step of two
+    prompts like the tests'. A resume re-shapes the computation at most twice (the passes that wrote
+    the pages, then the pass that continues from them), so by the triangle inequality it lies within
+    twice that of vLLM alone; never less than bf16's own resolution."""
+    probes = [tokens(EXACT_AT + 200, seed=90 + i) for i in range(2)]
+    measured = 0.0
+    for split, whole in zip(run(split_at_exact, probes), run(alone, probes), strict=True):
+        split_lp, whole_lp = split["logprobs"][0], whole["logprobs"][0]
+        measured = max([measured, *(abs(split_lp[t] - whole_lp[t]) for t in split_lp.keys() & whole_lp.keys())])
+    return max(BF16_LOGPROB_RESOLUTION, 2 * measured)
+
+
 def first_step(result: dict) -> dict:
     return {**result, "tokens": result["tokens"][:1], "logprobs": result["logprobs"][:1]}
 
@@ -152,7 +168,9 @@ def with_connector(checkpoint, redis_server):
     shutdown(llm)
 
 
-def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(alone, with_connector, checkpoint):
+def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(
+    alone, with_connector, checkpoint, bf16_logprob_tol
+):
     first = tokens(2000, seed=1)
     run(with_connector, [first])  # stored
     prompt = first[:1500] + tokens(300, seed=2)
@@ -161,7 +179,7 @@ def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(alone, 
     (want,) = run(alone, [prompt])
     # With the same thread count this matched vLLM alone bit for bit (AMD EPYC), but vLLM alone has no
     # connector hooks at all: it is held to bf16 noise, the do-nothing connector to every bit.
-    assert_agrees(got, want, BF16_LOGPROB_TOL)
+    assert_agrees(got, want, bf16_logprob_tol)
     # Bit for bit, it answers as vLLM with a connector that does nothing: the same code path.
     control = make_engine(checkpoint, {**connector_config(""), "kv_connector": "NoOpConnector",
                                        "kv_connector_module_path": "tests.vllm_noop_connector"})  # fmt: skip
@@ -172,7 +190,9 @@ def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(alone, 
     assert got["tokens"] == plain["tokens"] and got["logprobs"] == plain["logprobs"]
 
 
-def test_resuming_from_an_exact_checkpoint_answers_as_vllm_split_there(alone, split_at_exact, with_connector):
+def test_resuming_from_an_exact_checkpoint_answers_as_vllm_split_there(
+    alone, split_at_exact, with_connector, bf16_logprob_tol
+):
     turn = tokens(EXACT_AT, seed=3)
     run(with_connector, [turn])  # stores its blocks and its linear states after its last token
     prompt = turn + tokens(200, seed=4)
@@ -181,7 +201,7 @@ def test_resuming_from_an_exact_checkpoint_answers_as_vllm_split_there(alone, sp
     (split,) = run(split_at_exact, [prompt])
     assert got["tokens"] == split["tokens"] and got["logprobs"] == split["logprobs"]
     (want,) = run(alone, [prompt])
-    assert_agrees(first_step(got), first_step(want), BF16_LOGPROB_TOL)  # bf16 noise of a different prefill split
+    assert_agrees(first_step(got), first_step(want), bf16_logprob_tol)  # bf16 noise of a different prefill split
 
 
 def test_tail_replay_reuses_all_but_the_tail_and_stays_close_to_full_prefill(alone, with_connector):
@@ -214,7 +234,7 @@ SECOND_PROCESS = textwrap.dedent(
 
 
 def test_two_engine_processes_share_one_store(
-    alone, split_at_exact, with_connector, checkpoint, redis_server, tmp_path
+    alone, split_at_exact, with_connector, checkpoint, redis_server, tmp_path, bf16_logprob_tol
 ):
     import json
 
@@ -236,10 +256,10 @@ def test_two_engine_processes_share_one_store(
     (split,) = run(split_at_exact, [prompt])
     assert got["tokens"] == split["tokens"] and got["logprobs"] == split["logprobs"]
     (want,) = run(alone, [prompt])
-    assert_agrees(first_step(got), first_step(want), BF16_LOGPROB_TOL)
+    assert_agrees(first_step(got), first_step(want), bf16_logprob_tol)
 
 
-def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint, redis_factory):
+def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint, redis_factory, bf16_logprob_tol):
     server = redis_factory()
     llm = make_engine(checkpoint, connector_config(server.url))
     try:
@@ -252,7 +272,7 @@ def test_a_store_killed_mid_run_leaves_every_request_answered(alone, checkpoint,
         for g, w in zip(got, want, strict=True):
             assert g["reuse"]["reused"] == 0  # nothing could be read: full prefill
             assert len(g["tokens"]) == 4
-            assert_agrees(g, w, BF16_LOGPROB_TOL)
+            assert_agrees(g, w, bf16_logprob_tol)
             assert all(math.isfinite(lp) for step in g["logprobs"] for lp in step.values())
     finally:
         shutdown(llm)
@@ -267,7 +287,7 @@ def test_a_request_preempted_after_its_load_is_recomputed_and_answers_as_vllm_al
     run at once and the first of them to decode past 1,280 tokens finds no free block.
 
     Under that pressure vLLM batches and splits the prefills differently from an unhurried run, and
-    bf16 rounding on this random-weight model moves logprobs by more than BF16_LOGPROB_TOL: vLLM alone
+    bf16 rounding on this random-weight model moves logprobs by more than bf16_logprob_tol: vLLM alone
     prefilling the fourth prompt split at 1,000 tokens differs from one pass by 0.17 at the first
     step (measured on an AMD EPYC; the connector's exact resume there is bit-equal to that split).
     So outputs are held to SPLIT_NOISE: a request computed from garbage pages or the wrong slot
