@@ -1,4 +1,4 @@
-"""Fidelity of a method's next-token distributions against a reference (brief §4)."""
+"""Fidelity of a method's next-token distributions against a reference (definitions: README.md)."""
 
 from __future__ import annotations
 

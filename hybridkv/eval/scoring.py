@@ -1,4 +1,4 @@
-"""Task scores recomputed from stored predictions: RULER and LongBench v1 (brief §4).
+"""Task scores recomputed from stored predictions: RULER and LongBench v1 (definitions: docs/arena.md).
 
 Pure Python, no torch. Every function scores ONE sample and returns a float in [0, 1]; the
 official scripts report the mean × 100 per task, which the caller does if it wants to.

@@ -1,4 +1,4 @@
-"""Retention, gap recovered (PGR), paired bootstrap CIs and the sign test (brief §4).
+"""Retention, gap recovered (PGR), paired bootstrap CIs and the sign test (definitions: docs/arena.md).
 
 All resampling is paired: one draw of sample indices is applied to every array, so each
 resample compares the methods on the same samples. Deterministic for a given seed.
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# PGR is undefined when the oracle beats the floor by no more than this (brief §4).
+# PGR is undefined when the oracle beats the floor by no more than this (docs/arena.md).
 PGR_MIN_GAP = 1e-3
 # Resamples are drawn in blocks of this many, bounding memory at _BLOCK × n indices.
 _BLOCK = 500
