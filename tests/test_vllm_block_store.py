@@ -301,6 +301,64 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
     assert "| shared-system | 4 | 0.05 | 2.00 | 1.50 |" in text  # TTFT 0.5 / 0.25, throughput 3.0 / 2.0
 
 
+def test_clear_lead_top1_counts_flips_on_a_clear_lead_and_leaves_out_near_ties():
+    """The split noise is the largest logprob gap between vLLM's own cache and vLLM alone; a
+    request counts in `top1_clear` only where the reference's lead exceeds twice it."""
+    from hybridkv.integrations.vllm.bench import BenchPlan, report, split_noise, summarise
+    from hybridkv.integrations.vllm.serve import Reply
+
+    # The reference's first-token logprobs (binary fractions: every difference below is exact).
+    reference = [
+        {1: -1.0, 2: -2.0, 3: -3.0},  # lead 1.0
+        {1: -1.0, 2: -1.25, 3: -3.0},  # lead 0.25: exactly twice the noise, so a near-tie
+        {1: -1.0, 2: -2.0, 3: -3.0},  # lead 1.0
+        {4: -0.5, 5: -1.5, 6: -3.0},  # lead 1.0
+    ]
+    cache = [dict(r) for r in reference]
+    cache[3][5] = -1.625  # off by 0.125 on one token: the noise
+    cache[0][3] = -3.0625  # a smaller gap elsewhere does not set it
+    hybrid = [dict(r) for r in reference]
+    hybrid[0] = {1: -2.0, 2: -1.5, 3: -3.0}  # flips where the reference led by 1.0: counts against
+    hybrid[1] = {1: -1.25, 2: -1.0, 3: -3.0}  # flips a near-tie: left out
+    hybrid[2][3] = -2.5  # agrees despite a gap
+    noise, clear = 0.125, [0, 2, 3]  # by construction: leads 1.0, 0.25, 1.0, 1.0 against 2 * 0.125
+
+    assert split_noise(list(zip(reference, cache, strict=True))) == noise
+
+    def replies(tops, hybridkv=None):  # two conversations of two turns each
+        one = [Reply(0.5, lp, 100, 0, hybridkv) for lp in tops]
+        return [[one[0], one[1]], [one[2], one[3]]]
+
+    plan = BenchPlan("m", ["shared-system"], [4], ["0.05"])
+    measured = {
+        ("no-cache", None): {"block_size": 64, "results": {("shared-system", 4): (replies(reference), 4.0, None)}},
+        ("vllm-prefix-cache", None): {"block_size": 64, "results": {("shared-system", 4): (replies(cache), 2.0, None)}},
+        ("hybridkv", "0.05"): {
+            "block_size": 64,
+            "results": {
+                ("shared-system", 4): (replies(hybrid, {"matched": 90, "reused": 80, "exact_state": False}), 1.0, None)
+            },
+        },
+    }
+    summary = summarise(plan, measured)
+    assert summary["split_noise"] == {"4": noise}
+    rows = {r["config"]: r for r in summary["rows"]}
+    agrees = [max(r, key=r.get) == max(h, key=h.get) for r, h in zip(reference, hybrid, strict=True)]
+    assert rows["hybridkv"]["top1_agreement"] == sum(agrees) / 4 == 0.5
+    assert rows["hybridkv"]["clear_requests"] == len(clear) == 3
+    assert rows["hybridkv"]["top1_clear"] == pytest.approx(sum(agrees[i] for i in clear) / len(clear))  # 2 / 3
+    assert rows["vllm-prefix-cache"]["top1_clear"] == rows["no-cache"]["top1_clear"] == 1.0
+    flips = [(d["session"], d["turn"], d["lead"], d["gap"], d["clear"]) for d in summary["disagreements"]]
+    assert flips == [(0, 0, 1.0, 1.0, True), (0, 1, 0.25, 0.25, False)]
+    text = report(summary)
+    assert "| 0.500 | 0.667 (3) |" in text and "4 clients 0.1250" in text
+    assert "| shared-system | 4 | hybridkv@0.05 | 0 / 1 | 0.2500 | 0.2500 | 2.0 |" in text and "near-tie |" in text
+    # Without vLLM's cache in the run there is no noise to clear: no clear-lead figure.
+    del measured[("vllm-prefix-cache", None)]
+    bare = {r["config"]: r for r in summarise(plan, measured)["rows"]}
+    assert bare["hybridkv"]["top1_clear"] is None and bare["hybridkv"]["clear_requests"] == 0
+
+
 def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_and_bounds_its_backlog():
     """A lookup waits for the saves queued before it (a conversation's last turn), not for ones
     queued while it waits; a save that raises still counts as done; a full backlog refuses more."""

@@ -49,6 +49,9 @@ def test_the_bench_through_vllm_serve_reuses_prefixes_shorter_than_vllms_block(p
         assert by[("multi-turn", "hybridkv", clients)]["reused_tokens_per_request"] > 100
     written = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
+    # the noise clear-lead agreement is measured against, per client count, and every reply behind the rows
+    assert set(written["split_noise"]) == {"1", "2"} and all(v >= 0 for v in written["split_noise"].values())
+    assert len(json.loads((tmp_path / "bench" / "replies.json").read_text())) == 4 * 2 * 2 * 4
     assert (tmp_path / "bench" / "ttft-multi-turn.png").read_bytes()[:4] == b"\x89PNG"
     assert "## shared-system" in (tmp_path / "bench" / "report.md").read_text()
 
