@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import socket
+from pathlib import Path
 
 import torch
 
@@ -82,3 +84,24 @@ def record_answers(monkeypatch) -> dict[tuple[str, str], list[tuple[list[int], l
 
     monkeypatch.setattr(arena, "get_arena_method", recording)
     return recorded
+
+
+def flip_one_weight_in_the_middle(weights: Path) -> str:
+    """Change the last mantissa bit of the one weight lying at the middle of a safetensors file, in
+    place: the file keeps its size and its first and last MiB; the tensor's name is returned."""
+    data = bytearray(weights.read_bytes())
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_bytes])
+    middle = len(data) // 2
+    start_of_data = 8 + header_bytes
+    sizes = {"BF16": 2, "F16": 2, "F32": 4}
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (start_of_data + offset for offset in tensor["data_offsets"])
+        if begin <= middle < end and tensor["dtype"] in sizes:
+            element = begin + (middle - begin) // sizes[tensor["dtype"]] * sizes[tensor["dtype"]]
+            data[element] ^= 1  # little-endian: the lowest byte holds the lowest mantissa bits
+            weights.write_bytes(data)
+            return name
+    raise AssertionError(f"no floating-point tensor spans the middle of {weights}")

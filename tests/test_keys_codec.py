@@ -489,3 +489,40 @@ def test_checkpoint_fingerprint_reads_the_weights_once(tmp_path):
     save(1)
     assert model_fingerprint(load_model(str(tmp_path))) != first
     assert json.loads(record_path.read_text())["model.safetensors"]["sha256"] != record["model.safetensors"]["sha256"]
+
+
+def test_checkpoints_differing_in_one_middle_weight_have_different_fingerprints(tmp_path):
+    """Every byte of the weights names a checkpoint, for hybridkv's stores and inside vLLM alike:
+    a copy has the same fingerprints, a copy with one weight changed in the middle of its file
+    (same size, same first and last MiB) has others."""
+    import shutil
+
+    from transformers import Qwen3NextForCausalLM
+
+    from hybridkv.cache.keys import checkpoint_fingerprint
+    from hybridkv.integrations.vllm.block_store import engine_fingerprint
+    from hybridkv.models import RANDOM_MODELS
+    from tests.helpers import flip_one_weight_in_the_middle
+
+    config = RANDOM_MODELS["random-qwen3-next"]()
+    config.vocab_size = 8192  # a weight file of several MiB, so its middle lies past the first and last MiB
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).save_pretrained(tmp_path / "a")
+    for name in ("copy", "changed"):
+        shutil.copytree(tmp_path / "a", tmp_path / name)
+    (weights,) = (tmp_path / "changed").glob("*.safetensors")
+    assert weights.stat().st_size > 4 << 20
+    flip_one_weight_in_the_middle(weights)
+    layout = [("FullAttentionSpec", 640, 4096, ["model.layers.3.self_attn.attn"])]
+
+    def fingerprints(name: str) -> tuple[str, str, str]:
+        path = tmp_path / name
+        return (
+            checkpoint_fingerprint(path),
+            engine_fingerprint(str(path), layout, "torch.bfloat16"),
+            model_fingerprint(load_model(str(path))),
+        )
+
+    a, copy, changed = fingerprints("a"), fingerprints("copy"), fingerprints("changed")
+    assert a == copy
+    assert all(x != y for x, y in zip(a, changed, strict=True))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,12 +54,20 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_digest(directory: Path) -> bytes:
-    """A checkpoint directory's weights, read once: each safetensors file's name, size and SHA-256.
+WEIGHT_FILES = ("*.safetensors", "*.bin")  # what transformers and vLLM load weights from
 
-    The digests are kept in `hybridkv-digests.json` beside the weights, keyed by size and
-    modification time (a rewritten file is hashed again), so fingerprinting a 600 GB checkpoint
-    reads it the first time only. A directory we cannot write to is hashed every time.
+
+def weight_files(directory: Path) -> list[Path]:
+    return sorted({path for pattern in WEIGHT_FILES for path in directory.glob(pattern)})
+
+
+def checkpoint_digest(directory: Path) -> bytes:
+    """A checkpoint directory's weights, read once: each weight file's name, size and SHA-256.
+
+    Every byte of every weight file is hashed, so two checkpoints that differ in one weight never
+    share a key. The digests are kept in `hybridkv-digests.json` beside the weights, keyed by size
+    and modification time (a rewritten file is hashed again), so fingerprinting a 600 GB
+    checkpoint reads it the first time only. A directory we cannot write to is hashed every time.
     """
     record_path = directory / DIGESTS_FILE
     try:
@@ -66,7 +75,7 @@ def checkpoint_digest(directory: Path) -> bytes:
     except (OSError, ValueError):
         record = {}
     files, changed = [], False
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in weight_files(directory):
         stat = path.stat()
         stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         known = record.get(path.name)
@@ -75,9 +84,24 @@ def checkpoint_digest(directory: Path) -> bytes:
             record[path.name] = known
         files.append(f"{path.name}:{stat.st_size}:{known['sha256']}")
     if changed:
+        # Written whole under another name, then renamed: vLLM's scheduler and worker processes
+        # fingerprint the same checkpoint at once, and neither may read the other's half-written file.
+        spare = record_path.with_name(f".{DIGESTS_FILE}.{os.getpid()}")
         with contextlib.suppress(OSError):  # a read-only checkpoint: correct, only slower next time
-            record_path.write_text(json.dumps(record, indent=1, sort_keys=True))
+            spare.write_text(json.dumps(record, indent=1, sort_keys=True))
+            spare.replace(record_path)
     return "\n".join(files).encode()
+
+
+def checkpoint_fingerprint(directory: Path, *context: bytes) -> str:
+    """The fingerprint of a checkpoint directory as an engine loads it: its `config.json` and every
+    weight file's digest (`checkpoint_digest`), bound to `context` (what else the cached bytes
+    depend on, such as an engine's cache layout and dtype), as hex."""
+    try:
+        config = (directory / "config.json").read_bytes()
+    except OSError:
+        config = b""
+    return _sha(b"hybridkv-checkpoint", config, checkpoint_digest(directory), *context).hex()
 
 
 def _tensor_digest(model: HybridModel) -> bytes:
@@ -98,10 +122,8 @@ def model_fingerprint(model: HybridModel) -> str:
     """
     config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
     directory = Path(model.name)
-    if directory.is_dir() and any(directory.glob("*.safetensors")):
-        weights = checkpoint_digest(directory)
-    else:
-        weights = _tensor_digest(model)
+    on_disk = directory.is_dir() and weight_files(directory)
+    weights = checkpoint_digest(directory) if on_disk else _tensor_digest(model)
     dtype = str(model.dtype).encode()
     return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights, dtype).hex()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key, state_key
+from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, kv_chunk_key, state_key
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.cache.variants import BlockVariants
 from hybridkv.methods import Budget, StoredMatch
@@ -237,24 +237,15 @@ def _fits(pages: Pages, layout: Layout) -> bool:
 
 
 def engine_fingerprint(model: str, layout: list[tuple[str, int, int, list[str]]], dtype: str) -> str:
-    """Binds cached bytes to one model and one vLLM cache layout, cheaply enough for any size.
+    """Binds cached bytes to one model and one vLLM cache layout.
 
-    `layout` lists each KV-cache group as (spec class, block size, page bytes, layer names). For
-    a local checkpoint the config and every weight file's name, size and first and last MiB are
-    hashed — not all weights: a 320B model cannot be hashed on each start.
+    `layout` lists each KV-cache group as (spec class, block size, page bytes, layer names). A
+    local checkpoint is named as everywhere in hybridkv (`checkpoint_fingerprint`: its config and
+    every byte of its weights, hashed once and kept beside them), so two checkpoints that differ in
+    one weight never read each other's pages; a model vLLM fetches by name, by that name.
     """
-    digest = hashlib.sha256()
-    digest.update(json.dumps([layout, dtype], sort_keys=True).encode())
+    context = json.dumps([layout, dtype], sort_keys=True).encode()
     path = Path(model)
     if path.is_dir():
-        for file in sorted(path.iterdir()):
-            if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
-                size = file.stat().st_size
-                digest.update(f"{file.name}:{size}".encode())
-                with file.open("rb") as f:
-                    digest.update(f.read(1 << 20))
-                    f.seek(max(0, size - (1 << 20)))
-                    digest.update(f.read(1 << 20))
-    else:
-        digest.update(model.encode())
-    return digest.hexdigest()
+        return checkpoint_fingerprint(path, b"vllm-pages", context)
+    return hashlib.sha256(context + model.encode()).hexdigest()
