@@ -1,25 +1,28 @@
 """A prefix cache whose bytes live in a store, shared by every process that opens the same URL.
 
-Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's
-tokens and its rows of the linear layers' decay summary), keyed by the prompt through the chunk's
-last token, and one per linear-state checkpoint. Looking a prompt up walks its chunks through the
-store: the chunks it holds whole are found by their keys; the chunk where it diverges from every
-stored prompt is the listed one after the same prefix sharing the most tokens with it
-(`hybridkv.cache.variants`), so prompts that share a start and then differ inside a chunk each keep
-theirs. Stored tokens are always compared with the prompt's, and the walk stops at the first
-differing token — a token-level match that needs no shared index. Anything missing, unreadable or
-failing verification ends the walk there: the hit gets shorter and the rest is recomputed.
+Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's tokens
+and its rows of the linear layers' decay summary), keyed by the prompt through the chunk's last
+token, and one per linear-state checkpoint. Looking a prompt up walks its chunks through the store
+(`hybridkv.cache.prefix_walk`): the chunks it holds whole are found by their keys; the chunk where
+it diverges from every stored prompt is the listed one after the same prefix sharing the most
+tokens with it (`hybridkv.cache.variants`), so prompts that share a start and then differ inside a
+chunk each keep theirs. Stored tokens are always compared with the prompt's, and the walk stops at
+the first differing token — a token-level match that needs no shared index. Anything missing,
+unreadable or failing verification ends the walk there: the hit gets shorter and the rest is
+recomputed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.keys import PrefixKeys, kv_block_key, model_fingerprint, state_key
 from hybridkv.cache.prefix_cache import Hit
-from hybridkv.cache.prefix_index import common_length
+from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
-from hybridkv.cache.variants import BlockVariants
+from hybridkv.errors import CorruptEntry
 from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
 from hybridkv.models.kv import LayerKV
 from hybridkv.models.loader import HybridModel
@@ -27,6 +30,14 @@ from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
 DEFAULT_CHUNK_TOKENS = 64
+
+
+@dataclass
+class _Chunk:
+    """What a stored chunk holds besides its tokens."""
+
+    kv: PromptKV  # attention KV
+    decay: tuple[torch.Tensor, int] | None  # its rows of the decay summary and their chunk size, if written
 
 
 class StoredPrefixCache:
@@ -45,7 +56,7 @@ class StoredPrefixCache:
         self.keys = PrefixKeys(self.fingerprint, salt, chunk_tokens)
         self.checkpoint_interval = checkpoint_interval
         self._dims = {index: model.description.token_tensors(index) for index in model.description.attention_layers}
-        self._variants = BlockVariants(store, self.fingerprint, "kv-variants")
+        self._walk = PrefixWalk(store, self.fingerprint, "kv", "kv-variants")
 
     def chunk_key(self, tokens, index: int) -> str:
         """Where chunk `index` of the prompt `tokens` is stored: the key of the prompt through its last token."""
@@ -73,7 +84,7 @@ class StoredPrefixCache:
                 meta["decay_chunk"] = cached.decay.chunk
             if self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors))):
                 written += 1
-                self._variants.add(kv_chunk_key(chain[index], int(tokens[start])), tokens[start:end].tolist())
+                self._walk.list_block(chain[index], tokens[start:end].tolist())
         for position, states in cached.checkpoints.items():
             key = state_key(self.keys.prefix(tokens, position, chain))
             tensors = {f"{layer}.{name}": t for layer, state in states.items() for name, t in state.tensors.items()}
@@ -87,11 +98,8 @@ class StoredPrefixCache:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def _kv_chunk(self, key: str, start: int) -> tuple[list[int], PromptKV, tuple[torch.Tensor, int] | None] | None:
-        """(tokens, attention KV, (decay summary rows, their chunk size) or None) of a stored chunk."""
-        entry = self._read(key, "kv")
-        if entry is None:
-            return None
+    def _kv_chunk(self, key: str, entry: Entry, start: int) -> tuple[list[int], _Chunk]:
+        """The tokens and pages of the chunk stored under `key` at `start` (`PrefixWalk`'s decode)."""
         tokens = entry.meta.get("tokens")
         # Entries written before the summary's chunk size was recorded all used DECAY_CHUNK.
         decay, decay_chunk = entry.tensors.get("decay"), entry.meta.get("decay_chunk", DECAY_CHUNK)
@@ -122,9 +130,8 @@ class StoredPrefixCache:
         except KeyError:
             consistent = False
         if not consistent:
-            self.store.corrupt(key, "tensors do not match this model's attention layout or the chunk's tokens")
-            return None
-        return tokens, kv, (decay, decay_chunk) if decay is not None else None
+            raise CorruptEntry("tensors do not match this model's attention layout or the chunk's tokens")
+        return tokens, _Chunk(kv, (decay, decay_chunk) if decay is not None else None)
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
         key = state_key(self.keys.prefix(prompt, position, chain))
@@ -155,50 +162,20 @@ class StoredPrefixCache:
         """The longest stored prefix of `prompt` (never its last token), with the checkpoint at or before it."""
         prompt = prompt.reshape(-1)
         limit = prompt.numel() - 1
-        wanted = prompt[:limit].numpy()
         chain = self.keys.chain(prompt[:limit])
-        size = self.keys.chunk_tokens
-        chunk_tokens: list[list[int]] = []
-        chunk_layers: list[PromptKV] = []
-        chunk_decay: list[tuple[torch.Tensor, int] | None] = []
-        matched = 0
-
-        def take(key: str, start: int) -> bool:
-            """Add the chunk stored under `key` as far as its tokens agree; False if there is none to add."""
-            nonlocal matched
-            found = self._kv_chunk(key, start)
-            if found is None:
-                return False
-            tokens, layers, decay = found
-            common = common_length(tokens, wanted[start : start + len(tokens)])
-            if common == 0:
-                return False
-            chunk_tokens.append(tokens)
-            chunk_layers.append(layers)
-            chunk_decay.append(decay)
-            matched = start + common
-            return True
-
-        # the chunks the prompt holds whole, by key; then the one where the match ends, from the list
-        for index in range(limit // size):
-            if not take(kv_block_key(chain[index + 1]), index * size):
-                break
-        start = len(chunk_tokens) * size
-        if matched == start < limit:
-            ahead = wanted[start : start + size]
-            best = self._variants.best(kv_chunk_key(chain[len(chunk_tokens)], int(ahead[0])), ahead)
-            if best is not None:
-                take(kv_block_key(self.keys.extend(chain[len(chunk_tokens)], best)), start)
+        found = self._walk.match(self.keys, chain, prompt[:limit].numpy(), self._kv_chunk)
+        matched = found.length
         if matched == 0:
             return None
-        attention = PromptKV.cat(chunk_layers)
+        attention = PromptKV.cat([block.page.kv for block in found.blocks])
         checkpoints = {}
         if self.checkpoint_interval:
             position = matched // self.checkpoint_interval * self.checkpoint_interval
             states = self._checkpoint(prompt, position, chain) if position > 0 else None
             if states is not None:
                 checkpoints[position] = states
-        tokens = torch.tensor([t for chunk in chunk_tokens for t in chunk], dtype=torch.long)
+        tokens = torch.tensor([t for block in found.blocks for t in block.tokens], dtype=torch.long)
+        chunk_decay = [block.page.decay for block in found.blocks]
         decay = None  # chunks written without a summary (an architecture without a gate probe) give none
         if all(d is not None for d in chunk_decay) and len({size for _, size in chunk_decay}) == 1:
             decay = DecaySummary(torch.cat([rows for rows, _ in chunk_decay]), chunk_decay[0][1])

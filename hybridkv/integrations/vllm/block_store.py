@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, kv_chunk_key, state_key
-from hybridkv.cache.prefix_index import common_length
-from hybridkv.cache.variants import BlockVariants
+from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, state_key
+from hybridkv.cache.prefix_walk import PrefixWalk
+from hybridkv.errors import CorruptEntry
 from hybridkv.methods import Budget, StoredMatch
 from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.codec import Entry, encode
@@ -72,15 +72,13 @@ class BlockStore:
     approximately; what it saves is marked inexact, and a resume that loads anything inexact is
     reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
-    READ_BATCH = 8  # blocks per store round trip, at most
-
     def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.salt = salt
         self._namespaces: dict[str | None, PrefixKeys] = {}
-        self._variants = BlockVariants(store, fingerprint, "vllm-kv-variants")
+        self._walk = PrefixWalk(store, fingerprint, "vllm-kv", "vllm-kv-variants")
 
     def keys(self, request_salt: str | None = None) -> PrefixKeys:
         if request_salt not in self._namespaces:
@@ -118,7 +116,7 @@ class BlockStore:
                 meta["checkpoint"] = state_at
             if self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block))):
                 written += 1
-                self._variants.add(kv_chunk_key(chain[index], tokens[start]), tokens[start:end])
+                self._walk.list_block(chain[index], tokens[start:end])
         return written
 
     def save_state(
@@ -138,61 +136,24 @@ class BlockStore:
         `layout` maps each attention layer to its block's byte size (None: any size, which the
         worker checks when it copies the page); entries that disagree are corrupt."""
         limit = len(tokens) - 1
-        wanted = np.asarray(tokens[:limit], dtype=np.int64)
         keys = self.keys(salt)
-        chain = keys.chain(tokens[:limit])
-        found = BlockMatch()
-        # whole blocks, by key: the prompt's own blocks, stored by any prompt that shares them
-        whole = [kv_block_key(chain[i + 1]) for i in range(limit // self.block_size)]
-        for index, key, entry in self._blocks_in_batches(whole):
-            start = index * self.block_size
-            if entry is None or not self._take(found, key, entry, wanted, start, layout):
-                break
-            if found.length < start + self.block_size:
-                return found
-        # the block where the match ends: whichever listed block after the same prefix shares most
-        index = len(found.blocks)
-        start = index * self.block_size
-        if start >= limit:
-            return found
-        ahead = wanted[start : start + self.block_size]
-        best = self._variants.best(kv_chunk_key(chain[index], int(ahead[0])), ahead)
-        if best is not None:
-            key = kv_block_key(keys.extend(chain[index], best))
-            entry = self._read(key, "vllm-kv")
-            if entry is not None:
-                self._take(found, key, entry, wanted, start, layout)
+
+        def decode(key: str, entry: Entry, start: int) -> tuple[list[int], Entry]:
+            stored = entry.meta.get("tokens")
+            if not isinstance(stored, list) or not _fits(entry.tensors, layout):
+                raise CorruptEntry("block does not match this engine's attention layout")
+            return stored, entry
+
+        wanted = np.asarray(tokens[:limit], dtype=np.int64)
+        walk = self._walk.match(keys, keys.chain(tokens[:limit]), wanted, decode)
+        found = BlockMatch(walk.length)
+        for block in walk.blocks:
+            found.blocks.append(block.page.tensors)
+            found.exact.append(block.page.meta.get("exact") is not False)
+            checkpoint = block.page.meta.get("checkpoint")
+            if isinstance(checkpoint, int) and block.start < checkpoint <= block.end:
+                found.checkpoints.append(checkpoint)
         return found
-
-    def _take(self, found: BlockMatch, key: str, entry: Entry, wanted: np.ndarray, start: int, layout: Layout) -> bool:
-        """Add a stored block at `start` to the match, as far as its tokens agree; False if unusable."""
-        stored = entry.meta.get("tokens")
-        if not isinstance(stored, list) or not _fits(entry.tensors, layout):
-            self.store.corrupt(key, "block does not match this engine's attention layout")
-            return False
-        common = common_length(stored, wanted[start : start + len(stored)])
-        if common == 0:
-            return False
-        found.blocks.append(entry.tensors)
-        found.exact.append(entry.meta.get("exact") is not False)
-        found.length = start + common
-        checkpoint = entry.meta.get("checkpoint")
-        if isinstance(checkpoint, int) and start < checkpoint <= found.length:
-            found.checkpoints.append(checkpoint)
-        return True
-
-    def _blocks_in_batches(self, keys: list[str]):
-        """(index, key, entry) of each block in order. A backend with batched reads is read 1, 2,
-        4, then 8 keys per round trip (at most a few blocks read past where a match ends); each
-        entry is verified only when the match reaches it."""
-        index, size = 0, 1
-        grow = self.READ_BATCH if self.store.batched else 1
-        while index < len(keys):
-            batch = keys[index : index + size]
-            for key, data in zip(batch, self.store.get_many(batch), strict=True):
-                yield index, key, self.store.verified(key, data, "vllm-kv", self.fingerprint)
-                index += 1
-            size = min(2 * size, grow)
 
     def resume(
         self, tokens: list[int], layout: Layout, state_layout: Layout, budget: Budget,
