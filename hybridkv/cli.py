@@ -339,7 +339,8 @@ def _train(args: argparse.Namespace) -> None:
 def _calibrate(args: argparse.Namespace) -> None:
     import json
 
-    from hybridkv.eval.calibrate import CALIBRATION_FILE, calibrate
+    from hybridkv.eval.calibrate import calibrate
+    from hybridkv.models.calibration import CALIBRATION_FILE
 
     out = args.out
     if out is None:

@@ -378,7 +378,7 @@ def test_a_calibrated_horizon_caps_the_replay(checkpoint, redis_server, tmp_path
     model and replays min(horizon, budget): 40 tokens here instead of 5% of 2,300 (115)."""
     import shutil
 
-    from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration
+    from hybridkv.models.calibration import CALIBRATION_FILE, Calibration
 
     model = tmp_path / "calibrated"
     shutil.copytree(checkpoint, model)

@@ -11,51 +11,22 @@ within the prompt reaches the tolerance count as endless, and a layer most of wh
 never get there has no horizon (None): it remembers past the sample's length, and an engine
 should replay its whole budget.
 
-The result is written beside the model (`hybridkv-calibration.json`) for the vLLM connector,
-which then replays min(horizon, budget) tokens of each hit.
+The result (`hybridkv.models.calibration.Calibration`) is written beside the model
+(`hybridkv-calibration.json`) for the vLLM connector, which then replays min(horizon, budget)
+tokens of each hit.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.calibration import Calibration
 from hybridkv.models.decay import DecaySummary, record_decay, summarise
 from hybridkv.models.loader import HybridModel
-
-CALIBRATION_FILE = "hybridkv-calibration.json"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    model: str
-    tolerance: float  # bound on the zeroed state's surviving share
-    quantile: float  # of the shortest tails over end positions
-    tokens: int  # per sample prompt
-    samples: int
-    text: str  # what the prompts were: "essay text" or "random token ids"
-    horizon: int | None  # tokens to replay: the slowest layer's; None if some layer never forgets within `tokens`
-    layers: list[int | None]  # per linear layer, in the model's order
-
-    def write(self, path: Path) -> Path:
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        return path
-
-    @classmethod
-    def read(cls, path: Path) -> Calibration:
-        try:
-            data = json.loads(path.read_text())
-            return cls(**data)
-        except FileNotFoundError:
-            raise HybridKVError(f"{path}: no calibration; run hybridkv calibrate --model {path.parent}") from None
-        except (json.JSONDecodeError, TypeError) as err:
-            raise HybridKVError(f"{path}: not a hybridkv calibration ({err})") from None
 
 
 def shortest_tails(summary: DecaySummary, tolerance: float) -> list[list[float]]:

@@ -146,7 +146,8 @@ def _runs(plan: BenchPlan) -> list[tuple[str, str | None]]:
 
 def ensure_calibrated(model: str) -> dict:
     """The model's calibration (`hybridkv calibrate`), measured now if it has none beside it."""
-    from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration, calibrate
+    from hybridkv.eval.calibrate import calibrate
+    from hybridkv.models.calibration import CALIBRATION_FILE, Calibration
 
     path = Path(model) / CALIBRATION_FILE
     if not path.exists():

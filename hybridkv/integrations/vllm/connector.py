@@ -82,6 +82,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, Pages, Resume, engine_fingerprint
 from hybridkv.integrations.vllm.metrics import STORE_ERROR_KINDS, HybridKVPromMetrics, HybridKVStats
 from hybridkv.methods import Budget
+from hybridkv.models.calibration import calibrated_horizon
 from hybridkv.store import open_store
 from hybridkv.store.guarded import GuardedStore
 
@@ -378,12 +379,7 @@ def _replay_horizon(setting, model: str) -> int | None:
     if setting is None:
         return None
     if setting == "calibrated":
-        from hybridkv.eval.calibrate import CALIBRATION_FILE, Calibration
-
-        horizon = Calibration.read(Path(model) / CALIBRATION_FILE).horizon
-        if horizon is not None and (not isinstance(horizon, int) or horizon < 0):
-            raise HybridKVError(f"{Path(model) / CALIBRATION_FILE}: horizon {horizon!r} is not a token count")
-        return horizon
+        return calibrated_horizon(Path(model))
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         return setting
     raise HybridKVError(f'replay_horizon {setting!r}: a token count or "calibrated"')
