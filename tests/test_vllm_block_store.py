@@ -365,7 +365,7 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     import threading
 
     pytest.importorskip("vllm")
-    from hybridkv.integrations.vllm.connector import _Writer
+    from hybridkv.integrations.vllm.worker_side import _Writer
 
     writer = _Writer()
     first, later, later_began = threading.Event(), threading.Event(), threading.Event()

@@ -49,13 +49,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from hybridkv.errors import HybridKVError  # noqa: E402
-from hybridkv.integrations.vllm.connector import (  # noqa: E402
-    HybridKVConnector,
-    HybridKVMetadata,
-    LoadOp,
-    SaveOp,
-    _Writer,
-)
+from hybridkv.integrations.vllm.connector import HybridKVConnector  # noqa: E402
+from hybridkv.integrations.vllm.metadata import HybridKVMetadata, LoadOp, SaveOp  # noqa: E402
+from hybridkv.integrations.vllm.worker_side import _Writer  # noqa: E402
 from hybridkv.methods import Budget  # noqa: E402
 
 BLOCK = 128  # vLLM's attention block (a multiple of the ring, as Glm5NextTailCache asserts)

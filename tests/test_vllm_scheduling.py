@@ -29,7 +29,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from hybridkv.errors import HybridKVError  # noqa: E402
-from hybridkv.integrations.vllm.connector import HybridKVMetadata, LoadOp, SaveOp, _Writer  # noqa: E402
+from hybridkv.integrations.vllm.metadata import HybridKVMetadata, LoadOp, SaveOp  # noqa: E402
+from hybridkv.integrations.vllm.worker_side import _Writer  # noqa: E402
 from tests.test_vllm_glm_groups import (  # noqa: E402
     BLOCK,
     Engine,

@@ -1,0 +1,347 @@
+"""The connector's scheduler side (`connector.py` tells the whole flow): a lookup per new request on
+a background thread, its verified pages held until vLLM admits the request, the loads and saves
+each step's metadata carries to the worker, and requests held back for the pages of a prefix
+another request is computing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from hybridkv.cache.prefix_index import common_length
+from hybridkv.errors import HybridKVError
+from hybridkv.integrations.vllm.block_store import BlockStore, Resume
+from hybridkv.integrations.vllm.config import ConnectorConfig
+from hybridkv.integrations.vllm.layout import CacheGroups
+from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
+from hybridkv.integrations.vllm.side import ConnectorSide, timed
+from hybridkv.integrations.vllm.worker_side import drain_local_saves
+from hybridkv.methods import Budget
+
+log = logging.getLogger("hybridkv.vllm")
+
+
+@dataclass
+class _Hit:  # scheduler-side record of a request's lookup, with its verified pages until loaded
+    matched: int
+    start: int
+    exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
+    resume: Resume | None = None
+
+
+@dataclass
+class _Source:  # scheduler-side: a prompt to be computed (or saved) whose pages later lookups may want
+    tokens: np.ndarray
+    salt: str | None
+    stored: int  # tokens of it the store held already when it was looked up
+    saved_at: float | None = None  # when its save went to the worker (None: prefill in progress)
+
+
+@dataclass
+class _Tracked:  # scheduler-side view of a running request, until its prefill is saved
+    tokens: list[int]
+    block_ids: list[list[int]]
+    first_block: int
+    salt: str | None
+    exact: bool = True
+    saved: bool = False
+
+
+class SchedulerSide(ConnectorSide):
+    # How long the scheduler waits for a lookup before answering "not yet" (then the request waits
+    # a whole engine step). A lookup reading a few MiB from a local store takes 5-30 ms.
+    LOOKUP_WAIT_S = 0.05
+    # A new prompt sharing at least this many more tokens with one being computed than the store
+    # holds waits for that prompt's pages instead of computing them a second time alongside it
+    # (with one whose pages are being written, any number of tokens).
+    WAIT_FOR_PREFIX_TOKENS = 512
+    SAVE_NOTICE_TIMEOUT_S = 10.0  # a save the worker never reports done stops holding lookups back
+
+    def __init__(self, config: ConnectorConfig, groups: CacheGroups, blocks: BlockStore, max_num_seqs: int) -> None:
+        super().__init__(config, groups, blocks)
+        self.block_size = groups.block_size
+        # Synchronous loads cannot be reported failed (vLLM takes no per-request failure for a
+        # running request of a hybrid model), so they are made only where the lookup verified
+        # every page's size and nothing is left for the worker to reject.
+        self.sync_loads = None not in groups.page_bytes.values()
+        self._lookups: dict[str, Future[_Hit]] = {}
+        self._hits: dict[str, _Hit] = {}
+        self._loads: dict[str, LoadOp] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
+        self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
+        self._sources: dict[str, _Source] = {}  # prompts in flight, until their saves are done
+        self._waiting_on: dict[str, str] = {}  # request -> the source whose pages it waits for
+        self._lookup_pool: ThreadPoolExecutor | None = None
+        # verified pages wait in memory for their request's admission: bound how many requests hold
+        # them (lookups in flight included) and their bytes (a long prompt's pages weigh more)
+        self._max_pending = 2 * max_num_seqs
+        self._held = 0  # hits holding verified pages
+        self._held_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of verified pages held in memory for requests vLLM has not admitted yet."""
+        return self._held_bytes
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Lookups submitted to the lookup thread and not yet taken by their request."""
+        return len(self._lookups)
+
+    @timed("hook_seconds")
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if num_computed_tokens:  # only with vLLM's prefix cache, which the connector refuses
+            return 0, False
+        req_id = request.request_id
+        if (
+            getattr(request, "lora_request", None) is not None
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            self._uncacheable.add(req_id)  # its pages depend on more than its token ids
+            return 0, False
+        if (hit := self._hits.get(req_id)) is None:
+            lookup = self._lookups.get(req_id)
+            if lookup is None and self._waits_for_source(request):
+                return None, False
+            if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
+                if len(self._lookups) + self._held >= self._max_pending or (
+                    self._held and self._held_bytes >= self.config.max_held_bytes
+                ):
+                    return None, False  # enough pages held for requests not yet admitted: ask later
+                self._salts[req_id] = getattr(request, "cache_salt", None)
+                if self._lookup_pool is None:
+                    self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
+                lookup = self._lookups[req_id] = self._lookup_pool.submit(self._look_up, request)
+                began = time.perf_counter()
+                futures.wait([lookup], timeout=self.LOOKUP_WAIT_S)  # a quick store answers in this step
+                waited = time.perf_counter() - began
+                self._count("wait_seconds", waited)
+                self._count("hook_seconds", -waited)  # counted apart from the hook's own work
+            if not lookup.done():
+                return None, False
+            hit = self._hits[req_id] = self._lookups.pop(req_id).result()
+            # From here on it computes the rest of its prompt: a request asked about later, even
+            # in this same step (before vLLM builds the step's metadata), waits for its pages.
+            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            self._sources[req_id] = _Source(tokens, self._salts.get(req_id), hit.matched)
+            if hit.resume is not None:
+                self._held += 1
+                self._held_bytes += hit.resume.nbytes
+            self._count("lookups")
+            if hit.matched and not hit.start:  # nothing to load: the whole match is replayed
+                self._record_hit(hit)
+        elif hit.start and hit.resume is None:
+            # Asked again after its load went out: vLLM preempted the request or its load failed,
+            # and its computed tokens are gone. The pages left with the load: compute it in full.
+            hit.start, hit.exact_state = 0, False
+        return hit.start, hit.start > 0 and not self.sync_loads
+
+    def _waits_for_source(self, request) -> bool:
+        """Whether the request should wait for another one's pages: that one is to compute (its
+        lookup has answered) or is computing at least `WAIT_FOR_PREFIX_TOKENS` more of this prompt
+        than the store holds, or its pages are being written and hold any more of it. Two clients
+        sending one long new prefix at once would otherwise both compute it (vLLM's own prefix
+        cache shares blocks while they are computed, the store only once they are saved), and a
+        conversation's next turn sent at once would miss the last turn's pages by milliseconds."""
+        req_id = request.request_id
+        now = time.monotonic()
+        for source_id, source in list(self._sources.items()):
+            if source.saved_at is not None and now - source.saved_at > self.SAVE_NOTICE_TIMEOUT_S:
+                del self._sources[source_id]
+        if self._waiting_on.get(req_id) in self._sources:
+            return True
+        self._waiting_on.pop(req_id, None)
+        if not self._sources:
+            return False
+        salt = getattr(request, "cache_salt", None)
+        prompt = np.asarray(request.prompt_token_ids[:-1], dtype=np.int64)  # one token is always computed
+        for source_id, source in self._sources.items():
+            if source_id == req_id:
+                continue
+            gain = common_length(source.tokens, prompt) - source.stored
+            # a save in flight is milliseconds away: worth waiting for whatever it adds
+            wanted = 1 if source.saved_at is not None else self.WAIT_FOR_PREFIX_TOKENS
+            if source.salt == salt and gain >= wanted:
+                self._waiting_on[req_id] = source_id
+                self._count("lookups_deferred")
+                return True
+        return False
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HybridKVWorkerMetadata):
+            for req_id in meta.saved:
+                self._sources.pop(req_id, None)
+
+    def _take_pages(self, hit: _Hit) -> Resume | None:
+        """The hit's verified pages, which leave it (loaded, declined or dropped)."""
+        resume, hit.resume = hit.resume, None
+        if resume is not None:
+            self._held -= 1
+            self._held_bytes -= resume.nbytes
+        return resume
+
+    def _record_hit(self, hit: _Hit) -> None:
+        with self._stats_lock:
+            self._stats.record_hit(hit.matched, hit.start, hit.exact_state)
+
+    @timed("lookup_seconds")
+    def _look_up(self, request) -> _Hit:
+        """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
+        attention, states = self._layouts()
+        try:
+            drain_local_saves()  # this process's own saves first (see worker_side._Writer)
+            resume = self.blocks.resume(
+                list(request.prompt_token_ids), attention, states, self._request_budget(request),
+                getattr(request, "cache_salt", None), self.config.replay_horizon, self.pool_alignment,
+            )  # fmt: skip
+            exact_state = resume.states is not None and resume.exact
+            return _Hit(resume.matched, resume.start, exact_state, resume if resume.start else None)
+        except Exception:  # never take the engine down over a cache: recompute instead
+            log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
+            return _Hit(0, 0)
+
+    def _request_budget(self, request) -> Budget:
+        budget = self.config.replay_budget
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if "replay_budget" not in params:
+            return budget
+        try:
+            return Budget.parse(str(params["replay_budget"]))
+        except HybridKVError as err:
+            log.warning("hybridkv: request %s: %s; using the engine's budget %s", request.request_id, err, budget)
+            return budget
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        # The load writes every linear state slot (the checkpoint, or zeros) and clears every ring:
+        # vLLM must not zero them after it, as it would a state group it thinks nothing restored.
+        return tuple(sorted([*self.attention_groups, *self.mamba_groups, *self.ring_groups]))
+
+    @timed("hook_seconds")
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        hit = self._hits.get(request.request_id)
+        if not num_external_tokens:  # no load, or the second call once a load is done
+            if hit is not None and self._take_pages(hit) is not None:  # vLLM declined the load
+                hit.start, hit.exact_state = 0, False
+                self._record_hit(hit)
+            return
+        if hit is None or hit.start != num_external_tokens or hit.resume is None:
+            # vLLM now waits for a load this connector cannot make: report it failed rather than
+            # leave the request waiting for ever; vLLM then computes it in full.
+            log.warning("hybridkv: request %s expects a load of %d tokens that is not staged; recomputing it",
+                        request.request_id, num_external_tokens)  # fmt: skip
+            self._loads[request.request_id] = LoadOp(
+                request.request_id, [], None, {}, {}, failed=True, sync=self.sync_loads
+            )
+            if hit is not None:
+                never_counted = self._take_pages(hit) is not None  # no load was made for it
+                hit.start, hit.exact_state = 0, False
+                if never_counted:
+                    self._record_hit(hit)
+            return
+        ids = blocks.get_block_ids()
+        resume = self._take_pages(hit)  # the pages leave with the load
+        self._record_hit(hit)  # reuse counts once the load is made, not when it was found
+        self._loads[request.request_id] = LoadOp(
+            request.request_id,
+            resume.blocks,
+            resume.states,
+            {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
+            {g: ids[g][0] for g in self.mamba_groups},
+            ring_blocks={g: ids[g][0] for g in self.ring_groups if ids[g]},
+            start=resume.start,
+            sync=self.sync_loads,
+        )
+
+    @timed("hook_seconds")
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = HybridKVMetadata()
+        meta.loads, self._loads = list(self._loads.values()), {}
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._uncacheable:
+                continue
+            if (earlier := self._tracked.get(new.req_id)) is not None and earlier.saved:
+                continue  # a resumed request sent again as new (vLLM's V2 runner): its prompt is stored
+            hit = self._hits.get(new.req_id)
+            matched = hit.matched if hit is not None else 0
+            exact = hit is None or not hit.start or hit.exact_state  # a zero-state replay is approximate
+            self._tracked[new.req_id] = _Tracked(
+                list(new.prompt_token_ids or []), [list(b) for b in new.block_ids], matched // self.block_size,
+                self._salts.get(new.req_id), exact,
+            )  # fmt: skip
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.saved:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = [list(b) for b in new_ids]
+                    hit = self._hits.get(req_id)  # recomputed in full after a preemption: exact
+                    tracked.exact = hit is None or not hit.start or hit.exact_state
+                else:
+                    for group, ids in enumerate(new_ids):
+                        tracked.block_ids[group].extend(ids)
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        return meta
+
+    def _maybe_save(self, meta: HybridKVMetadata, req_id: str, computed: int, scheduler_output) -> None:
+        tracked = self._tracked[req_id]
+        end = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        if tracked.saved or not tracked.tokens or end < len(tracked.tokens):
+            return
+        tracked.saved = True  # the prompt is complete after this step: save it once
+        if (source := self._sources.get(req_id)) is not None:
+            source.saved_at = time.monotonic()
+        blocks = -(-len(tracked.tokens) // self.block_size)
+        meta.saves.append(
+            SaveOp(
+                req_id,
+                tracked.tokens,
+                tracked.first_block,
+                {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
+                {g: tracked.block_ids[g][0] for g in self.mamba_groups} if self.config.save_states else {},
+                tracked.salt,
+                tracked.exact,
+            )
+        )
+
+    def _forget(self, req_id: str) -> dict | None:
+        self._uncacheable.discard(req_id)
+        self._waiting_on.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+        if (source := self._sources.get(req_id)) is not None and source.saved_at is None:
+            del self._sources[req_id]  # finished before its prompt was complete: no save comes
+        self._salts.pop(req_id, None)
+        if (lookup := self._lookups.pop(req_id, None)) is not None:
+            lookup.cancel()  # aborted while its lookup ran
+        hit = self._hits.pop(req_id, None)
+        if hit is None:
+            return None
+        self._take_pages(hit)
+        return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
+
+    @timed("hook_seconds")
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        info = self._forget(request.request_id)
+        return False, ({"hybridkv": info} if info is not None else None)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def shutdown(self) -> None:
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        super().shutdown()
