@@ -534,11 +534,11 @@ def _arena(args: argparse.Namespace) -> None:
             print(f"wrote {path}")
         return
 
+    from hybridkv.errors import MissingDataError
     from hybridkv.eval.arena import ArenaPlan, method_grid, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
     from hybridkv.eval.workloads import workload_module
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
-    from hybridkv.eval.workloads.ruler import MissingDataError
     from hybridkv.methods import Budget
     from hybridkv.models.tokenizer import load_tokenizer
 

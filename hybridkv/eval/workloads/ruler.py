@@ -66,7 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.scoring import RULER_TASK_ORDER
 from hybridkv.eval.workloads import Sample
 
@@ -114,10 +114,6 @@ DATA_FILES = {
     "qa_1": ("squad.json", "dev-v2.0.json", "dev-v1.1.json"),
     "qa_2": ("hotpotqa.json", "hotpot_dev_distractor_v1.json"),
 }
-
-
-class MissingDataError(HybridKVError):
-    """A qa task without its dataset; the message says the task is skipped and what it needs."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1007,7 +1003,6 @@ __all__ = [
     "METRICS",
     "TASKS",
     "TOKENS_TO_GENERATE",
-    "MissingDataError",
     "Sample",
     "essay_passage",
     "essay_words",
