@@ -70,7 +70,7 @@ from pathlib import Path
 
 from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.scoring import DATASET_METRIC, score_longbench
-from hybridkv.eval.workloads import Sample
+from hybridkv.eval.workloads.base import Sample, Workload
 
 DATASETS = (
     "narrativeqa",
@@ -561,7 +561,11 @@ def score(task: str, prediction: str, golds: list[str], meta: dict | None = None
     return score_longbench(task, prediction, golds, (meta or {}).get("all_classes"))
 
 
+WORKLOAD = Workload(name="longbench", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
+
+
 __all__ = [
+    "WORKLOAD",
     "DATASETS",
     "DATA_URL",
     "E_DATASETS",
