@@ -535,26 +535,22 @@ def _arena(args: argparse.Namespace) -> None:
             print(f"wrote {path}")
         return
 
+    from hybridkv.errors import MissingDataError
     from hybridkv.eval.arena import ArenaPlan, method_grid, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
-    from hybridkv.eval.workloads import workload_module
+    from hybridkv.eval.workloads import get_workload
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
-    from hybridkv.eval.workloads.ruler import MissingDataError
     from hybridkv.methods import Budget
     from hybridkv.models.tokenizer import load_tokenizer
 
-    workload = workload_module(args.workload)
+    workload = get_workload(args.workload)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
         get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
-    tasks = (
-        [t.strip() for t in args.tasks.split(",")]
-        if args.tasks
-        else list(getattr(workload, "LOCAL_TASKS", workload.TASKS))
-    )
-    if unknown := [t for t in tasks if t not in workload.TASKS]:
-        raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.TASKS)}")
+    tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else list(workload.default_tasks)
+    if unknown := [t for t in tasks if t not in workload.tasks]:
+        raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.tasks)}")
     from hybridkv.eval.kva import check_resume, record_run  # OUT/run.json: the run's options, for resuming and export
 
     run_options = dict(model=args.model, cache_model=args.cache_model, dtype=args.dtype, seed=args.seed,

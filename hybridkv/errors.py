@@ -23,3 +23,8 @@ class StoreError(HybridKVError):
 
 class CorruptEntry(HybridKVError):
     """Stored bytes are not a valid entry, or not the entry that was asked for."""
+
+
+class MissingDataError(HybridKVError):
+    """A workload task whose data is not there (no --data, or not the files it needs); the message
+    says the task is skipped and what it needs, and the arena runs the other tasks."""

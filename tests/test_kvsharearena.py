@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.arena import read_rows
 from hybridkv.eval.workloads import kvsharearena
 from hybridkv.eval.workloads.frozen import freeze
 from hybridkv.eval.workloads.longbench import PROMPTS
-from hybridkv.eval.workloads.ruler import MissingDataError
 from hybridkv.models.tokenizer import ByteTokenizer
 
 HOTPOT = [

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.workloads import Sample, ruler
 from hybridkv.eval.workloads.frozen import checksum, freeze, load_frozen
 from hybridkv.models.tokenizer import ByteTokenizer
@@ -395,19 +395,19 @@ def qa_files(tmp_path):
 
 @pytest.mark.parametrize("task", ruler.DATA_TASKS)
 def test_qa_without_data(task, tmp_path):
-    with pytest.raises(ruler.MissingDataError, match=r"skipped: needs --data PATH with (SQuAD|HotpotQA)"):
+    with pytest.raises(MissingDataError, match=r"skipped: needs --data PATH with (SQuAD|HotpotQA)"):
         ruler.generate(task, 4096, 2, TOK)
-    with pytest.raises(ruler.MissingDataError, match="does not exist"):
+    with pytest.raises(MissingDataError, match="does not exist"):
         ruler.generate(task, 4096, 2, TOK, data_path=str(tmp_path / "nope.json"))
-    with pytest.raises(ruler.MissingDataError, match="holds none of"):
+    with pytest.raises(MissingDataError, match="holds none of"):
         ruler.generate(task, 4096, 2, TOK, data_path=str(tmp_path))
-    assert issubclass(ruler.MissingDataError, HybridKVError)
+    assert issubclass(MissingDataError, HybridKVError)
 
 
 def test_qa_wrong_dataset(qa_files):
-    with pytest.raises(ruler.MissingDataError, match="is not one"):
+    with pytest.raises(MissingDataError, match="is not one"):
         ruler.generate("qa_1", 4096, 1, TOK, data_path=str(qa_files / "hotpotqa.json"))
-    with pytest.raises(ruler.MissingDataError, match="is not one"):
+    with pytest.raises(MissingDataError, match="is not one"):
         ruler.generate("qa_2", 4096, 1, TOK, data_path=str(qa_files / "squad.json"))
 
 

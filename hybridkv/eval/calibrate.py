@@ -53,7 +53,7 @@ def _quantile(values: list[float], q: float) -> float:
 def sample_prompts(model: HybridModel, tokens: int, samples: int, seed: int = 0) -> tuple[list[torch.Tensor], str]:
     """Essay text (RULER's pseudo-essay haystack) through the model's tokenizer, or, for a model
     that ships none, random token ids."""
-    from hybridkv.eval.workloads.ruler import essay_passage
+    from hybridkv.eval.workloads.essay import essay_passage
     from hybridkv.models.tokenizer import load_tokenizer
 
     try:

@@ -7,7 +7,7 @@ variable tracking; passages followed by a question), but by this module's own ge
 its own haystacks and its own key and value vocabularies:
 
 - keys are words taken from the standard library's docstrings, never a word of the arena's
-  RULER lists (`hybridkv.eval.workloads.ruler`), so no arena needle can occur in training;
+  word lists (`hybridkv.eval.workloads.words`), so no arena needle can occur in training;
 - the essay haystack is reference prose, not the arena's pseudo-essay; the noise haystack repeats
   sentences of this module's own, not RULER's "The grass is green..." lines;
 - every example is drawn from a generator seeded by (seed, stream, step, index), so a run is
@@ -88,9 +88,9 @@ def _stdlib_files() -> list[Path]:
 @functools.cache
 def key_words() -> tuple[str, ...]:
     """Words for needle keys and values: from the prose, minus every word of the arena's lists."""
-    from hybridkv.eval.workloads import ruler
+    from hybridkv.eval.workloads import words
 
-    arena = set().union(ruler.ADJECTIVES, ruler.NOUNS, ruler.VERBS, ruler.ADVERBS, ruler.PREPOSITIONS)
+    arena = set().union(words.ADJECTIVES, words.NOUNS, words.VERBS, words.ADVERBS, words.PREPOSITIONS)
     counts = Counter(re.findall(r"\b[a-z]{4,10}\b", prose()))
     return tuple(sorted({word for word, n in counts.items() if n >= 3} - arena))
 
@@ -334,8 +334,8 @@ def variable_tracking(rng: random.Random, length: int) -> Example | None:
             inserts += list(zip(fractions, lines, strict=True))
         return inserts
 
-    from hybridkv.eval.workloads.ruler import VT_INTRO as intro  # the arena's own wording
-    from hybridkv.eval.workloads.ruler import vt_question
+    from hybridkv.eval.workloads.ruler_tasks import VT_INTRO as intro  # the arena's own wording
+    from hybridkv.eval.workloads.ruler_tasks import vt_question
 
     def question(value: str, count: int) -> str:
         return vt_question(value, count)[0]

@@ -1,5 +1,9 @@
 """Task workloads for the arena, each generated (or read) as a list of `Sample`s.
 
+Each workload module declares one `Workload` (`base.py`: its tasks, the default ones, `generate`
+and `score`) and `WORKLOADS` below registers it by name; adding a workload is one module and
+one entry there.
+
 - `ruler`: the 13 RULER tasks, generated here for any tokenizer and target length.
 - `longbench`: LongBench v1's 21 datasets read from a local copy, with the official templates.
 - `prefix`: long shared documents with several diverging questions each (prefix reuse).
@@ -10,6 +14,8 @@
 - `kvsharearena`: KVShareArena's frozen querysets (LongBench subsets cut into their declared chunks,
   and agents' question-blind reports) read from a local copy, scored by its F1; `hybridkv arena
   export --format kva` writes the answers back as its result files (`hybridkv.eval.kva`).
+- `words`, `essay`: the built-in word lists (package data in `data/`) and the fixed pseudo-essay
+  written from them, which the generated workloads draw keys and haystacks from.
 - `frozen`: write samples to JSONL with a sha256 checksum and read them back verified, so a run
   is reproducible from the exact prompts it scored.
 
@@ -25,64 +31,34 @@ prefix-reuse method can only use the first (the shared instructions) and recompu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.workloads import agent_reports, kvsharearena, longbench, multi_turn, prefix, rag, ruler
+from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting, place_sentence
+
+WORKLOADS: dict[str, Workload] = {
+    workload.name: workload
+    for workload in (
+        ruler.WORKLOAD,
+        longbench.WORKLOAD,
+        prefix.WORKLOAD,
+        multi_turn.WORKLOAD,
+        rag.WORKLOAD,
+        agent_reports.WORKLOAD,
+        kvsharearena.WORKLOAD,
+    )
+}
 
 
-@dataclass(frozen=True)
-class Sample:
-    id: str  # stable: f"{task}-{length}-{index}"
-    task: str
-    length: int  # target length in tokens (prompt + tokens to generate)
-    context: str  # the document: the cacheable, question-blind part
-    question: str  # what follows the context: the query, with the answer prefix
-    golds: list[str]
-    meta: dict = field(default_factory=dict)  # needle depths, offsets, token counts, ...
-    chunks: list[str] = field(default_factory=list)  # position-independent pieces of `context`, or none
-
-    def segments(self) -> list[str]:
-        """The separately cached pieces of the context: its chunks, or the whole context."""
-        return self.chunks or [self.context]
-
-
-WORKLOADS = ("ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports", "kvsharearena")
-
-
-def largest_fitting(fits: Callable[[int], bool], high: int) -> int:
-    """The largest size in [0, high] for which `fits` holds (0 if none), assuming it holds up to
-    some size and fails beyond it: a binary search on a haystack's size."""
-    low = 0
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def place_sentence(words: list[str], sentence: str, depth: float) -> str:
-    """`words` joined as text with `sentence` put at the sentence boundary nearest `depth` (0–1)."""
-    bounds = [0] + [i + 1 for i, word in enumerate(words) if word.endswith(".")]
-    cut = min(bounds, key=lambda b: abs(b - depth * len(words)))
-    return " ".join([*words[:cut], sentence, *words[cut:]])
-
-
-def workload_module(name: str):
-    """The module of a workload: `generate(task, length, n, tokenizer, seed, data_path)`, `score(...)`,
-    `TASKS`, and the tasks it can make without local data."""
-    import importlib
-
-    from hybridkv.errors import HybridKVError
-
-    if name not in WORKLOADS:
-        raise HybridKVError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    return importlib.import_module(f"hybridkv.eval.workloads.{name.replace('-', '_')}")
+def get_workload(name: str) -> Workload:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise HybridKVError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
 
 
 def score_row(row: dict) -> float:
     """Score a stored prediction with its workload's official metric."""
-    return workload_module(row["workload"]).score(row["task"], row["prediction"], row["golds"], row.get("score_meta"))
+    return get_workload(row["workload"]).score(row["task"], row["prediction"], row["golds"], row.get("score_meta"))
 
 
-__all__ = ["WORKLOADS", "Sample", "largest_fitting", "place_sentence", "score_row", "workload_module"]
+__all__ = ["WORKLOADS", "Sample", "Workload", "get_workload", "largest_fitting", "place_sentence", "score_row"]

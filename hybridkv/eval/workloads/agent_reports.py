@@ -18,8 +18,9 @@ import random
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.scoring import string_match_all
-from hybridkv.eval.workloads import Sample, largest_fitting, place_sentence
-from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_passage
+from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting, place_sentence
+from hybridkv.eval.workloads.essay import essay_passage
+from hybridkv.eval.workloads.words import ADJECTIVES, NOUNS
 
 TASKS = ("agent-reports",)
 # The answer names the second region again before its figure (about 75 byte tokens in all).
@@ -110,3 +111,6 @@ def _sample(index: int, length: int, seed: int, reports: int, room: int, tokeniz
 
 def score(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
     return string_match_all(prediction, golds)
+
+
+WORKLOAD = Workload(name="agent-reports", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.jsonl import parse_jsonl
-from hybridkv.eval.workloads import Sample
+from hybridkv.eval.workloads.base import Sample
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
 # Fields added later have defaults, so workloads frozen before them still load.

@@ -57,12 +57,11 @@ import logging
 import re
 from pathlib import Path
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.jsonl import numbered_jsonl, read_json_object
 from hybridkv.eval.scoring import qa_f1_score
-from hybridkv.eval.workloads import Sample
+from hybridkv.eval.workloads.base import Sample, Workload
 from hybridkv.eval.workloads.longbench import MAX_NEW_TOKENS, PROMPTS
-from hybridkv.eval.workloads.ruler import MissingDataError
 
 SUBSETS = ("qasper", "multifieldqa_en", "hotpotqa")
 TRACKS = ("re", "ar")
@@ -324,13 +323,16 @@ def score(task: str, prediction: str, golds: list[str], meta: dict | None = None
     return f1_raw(prediction, golds)
 
 
+WORKLOAD = Workload(name="kvsharearena", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
+
+
 __all__ = [
+    "WORKLOAD",
     "NOTE_SEPARATOR",
     "SUBSETS",
     "TASKS",
     "TOKENS_TO_GENERATE",
     "TRACKS",
-    "MissingDataError",
     "f1_raw",
     "generate",
     "load",

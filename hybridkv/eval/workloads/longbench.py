@@ -18,7 +18,7 @@ The metrics are hybridkv.eval.scoring's (`score_longbench`, `DATASET_METRIC`).
   rows are kept by their `dataset` field), read with `datasets.load_from_disk` when the
   `datasets` package is installed (it is not a dependency of hybridkv);
 - a single `.jsonl`, `.zip` or `.parquet` file.
-Without data `load` raises MissingDataError (RULER's, one type for the CLI to catch), whose
+Without data `load` raises MissingDataError (`hybridkv.errors`, one type for the CLI to catch), whose
 message says the dataset is skipped and what to download. LongBench-E files (`<dataset>_e`) are
 read the same way, with their base dataset's template, length limit and metric.
 
@@ -68,10 +68,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, MissingDataError
 from hybridkv.eval.scoring import DATASET_METRIC, score_longbench
-from hybridkv.eval.workloads import Sample
-from hybridkv.eval.workloads.ruler import MissingDataError
+from hybridkv.eval.workloads.base import Sample, Workload
 
 DATASETS = (
     "narrativeqa",
@@ -562,7 +561,11 @@ def score(task: str, prediction: str, golds: list[str], meta: dict | None = None
     return score_longbench(task, prediction, golds, (meta or {}).get("all_classes"))
 
 
+WORKLOAD = Workload(name="longbench", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
+
+
 __all__ = [
+    "WORKLOAD",
     "DATASETS",
     "DATA_URL",
     "E_DATASETS",
@@ -572,7 +575,6 @@ __all__ = [
     "RAW_PROMPT_DATASETS",
     "TASKS",
     "TOKENS_TO_GENERATE",
-    "MissingDataError",
     "Sample",
     "generate",
     "load",

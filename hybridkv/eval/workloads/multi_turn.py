@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 
 from hybridkv.eval.scoring import string_match_all
-from hybridkv.eval.workloads import Sample
-from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_words
+from hybridkv.eval.workloads.base import Sample, Workload
+from hybridkv.eval.workloads.essay import essay_words
+from hybridkv.eval.workloads.words import ADJECTIVES, NOUNS
 
 TASKS = ("multi-turn",)
 TOKENS_TO_GENERATE = {"multi-turn": 16}
@@ -94,3 +95,6 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
 
 def score(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
     return string_match_all(prediction, golds)
+
+
+WORKLOAD = Workload(name="multi-turn", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)

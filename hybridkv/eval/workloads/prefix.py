@@ -12,8 +12,9 @@ from __future__ import annotations
 import random
 
 from hybridkv.eval.scoring import string_match_all
-from hybridkv.eval.workloads import Sample, largest_fitting
-from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_words
+from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting
+from hybridkv.eval.workloads.essay import essay_words
+from hybridkv.eval.workloads.words import ADJECTIVES, NOUNS
 
 TASKS = ("prefix",)
 FACTS_PER_DOCUMENT = 8
@@ -80,3 +81,6 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
 
 def score(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
     return string_match_all(prediction, golds)
+
+
+WORKLOAD = Workload(name="prefix", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)

@@ -19,8 +19,9 @@ import random
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.scoring import string_match_all
-from hybridkv.eval.workloads import Sample, largest_fitting, place_sentence
-from hybridkv.eval.workloads.ruler import ADJECTIVES, NOUNS, essay_passage
+from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting, place_sentence
+from hybridkv.eval.workloads.essay import essay_passage
+from hybridkv.eval.workloads.words import ADJECTIVES, NOUNS
 
 TASKS = ("rag",)
 TOKENS_TO_GENERATE = {"rag": 16}
@@ -104,3 +105,6 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
 
 def score(task: str, prediction: str, golds: list[str], meta: dict | None = None) -> float:
     return string_match_all(prediction, golds)
+
+
+WORKLOAD = Workload(name="rag", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
