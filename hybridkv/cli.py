@@ -1,27 +1,139 @@
-"""The `hybridkv` command line."""
+"""The `hybridkv` command line.
+
+A command's options are the fields of its config dataclass that carry a `help` (`_add_fields`): a
+flag's name, default, type and help text are written once, beside the field, in the layer that runs
+the command. Comma lists go through one typed parser (`comma_list`), so a bad value is argparse's
+one-line error before any work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.workloads import WORKLOADS
-from hybridkv.models.tiny import BUILTIN_MODELS, DEFAULT_MODEL
+from hybridkv.methods import Budget
+from hybridkv.models.tiny import DEFAULT_MODEL
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of token counts, got {text!r}") from None
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors (a bad value, an unknown flag) as one line, like the command's own errors."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"hybridkv: error: {message}; see {self.prog} --help\n")
+
+
+def comma_list(item: Callable[[str], object], what: str, choices: Iterable[str] | None = None) -> Callable:
+    """An argparse `type=`: "a,b,c" -> [item("a"), item("b"), item("c")] (empty parts skipped). A part
+    that `item` refuses (ValueError, or a HybridKVError saying why) or that is not among `choices`
+    becomes argparse's one-line error for the flag."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [item(part) for part in (p.strip() for p in text.split(",")) if part]
+        except HybridKVError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got {text!r}") from None
+        if choices is not None and (unknown := [v for v in values if v not in choices]):
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} (known: {', '.join(choices)})")
+        return values
+
+    parse.__name__ = f"comma list of {what}"
+    return parse
+
+
+def _budget_text(text: str) -> str:
+    Budget.parse(text)  # refuses a bad budget; the text is kept as written
+    return text
+
+
+INTS = comma_list(int, "integers")
+FLOATS = comma_list(float, "numbers")
+NAMES = comma_list(str, "names")
+BUDGETS = comma_list(Budget.parse, "budgets (fractions like 0.05, or token counts like 256tok)")
+BUDGET_TEXTS = comma_list(_budget_text, "budgets (fractions like 0.05, or token counts like 256tok)")
+_LIST_TYPES = {int: INTS, float: FLOATS, str: NAMES, Budget: BUDGETS}
+
+
+def _flag_type(hint: object) -> Callable | None:
+    """The argparse `type=` for a field annotation: X | None as X, lists and tuples as comma lists."""
+    if isinstance(hint, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) in (list, tuple):
+        return _LIST_TYPES[typing.get_args(hint)[0]]
+    return {int: int, float: float, str: None, Path: Path}[hint]
+
+
+def _flag_text(value: object) -> object:
+    """A default as it would be typed (argparse parses a text default like a given value, and --help
+    shows it): lists comma-joined, (LENGTH, STEPS) pairs as LENGTH:STEPS, a dict as JSON."""
+    if isinstance(value, list | tuple):
+        return ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value) if value else ""
+    return value
+
+
+def _add_fields(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = (), **overrides: dict) -> None:
+    """One option per field of the dataclass `config` that has a `help` in its metadata (and is not in
+    `skip`): --FIELD-NAME, or the field's `flag`; a positional argument where the field has no
+    default. The type comes from the annotation unless `overrides[field]` sets it (and any other
+    add_argument setting)."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if "help" not in f.metadata or f.name in skip:
+            continue
+        options = {"help": f.metadata["help"], **overrides.get(f.name, {})}
+        if "type" not in options:
+            try:
+                options["type"] = _flag_type(hints[f.name])
+            except KeyError:
+                raise TypeError(f"{config.__name__}.{f.name}: no flag type for {hints[f.name]}; give one") from None
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            parser.add_argument(f.name, **options)
+            continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if flag := f.metadata.get("flag"):  # named unlike the field: shown as the flag's name
+            options.setdefault("metavar", flag.removeprefix("--").replace("-", "_").upper())
+        parser.add_argument(
+            flag or "--" + f.name.replace("_", "-"), dest=f.name, default=_flag_text(default), **options
+        )
+
+
+def _config(config: type, args: argparse.Namespace, **values: object):
+    """`config` made from the parsed options of its fields (`_add_fields`), and `values`, which win."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if "help" in f.metadata and f.name not in values and hasattr(args, f.name):
+            value = getattr(args, f.name)
+            is_tuple = typing.get_origin(hints[f.name]) is tuple and isinstance(value, list)
+            values[f.name] = tuple(value) if is_tuple else value
+    return config(**values)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from hybridkv.methods import METHODS
+    from hybridkv.eval.arena import ArenaPlan
+    from hybridkv.eval.calibrate import CalibrateConfig
+    from hybridkv.eval.contract import ArenaConfig
+    from hybridkv.eval.plan import GLM_5_3_FLASH, Workload
+    from hybridkv.eval.ttft import TTFTConfig
+    from hybridkv.eval.validate import ValidateConfig
+    from hybridkv.integrations.vllm.bench import BenchPlan
+    from hybridkv.integrations.vllm.models import DEFAULT_BENCH_MODEL
+    from hybridkv.integrations.vllm.serve import ADAPTIVE
+    from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape
+    from hybridkv.train.loop import TrainConfig
 
-    parser = argparse.ArgumentParser(
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(
         prog="hybridkv",
         description="Token-level prefix KV-cache reuse for hybrid LLMs, measured against full prefill.",
     )
@@ -36,36 +148,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "time to first token is measured beside full prefill's in the same run. Prints a table and writes "
             "OUT/results.json and OUT/report.md."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
-    validate.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or a checkpoint directory"
-    )
+    _add_fields(validate, ValidateConfig)
     _add_device_options(validate)
-    validate.add_argument("--prefix-lengths", type=_int_list, default="1000,2048", help="matched prefix lengths L")
-    validate.add_argument(
-        "--suffix-length", type=int, default=64, help="new tokens after the match (fidelity positions)"
-    )
-    validate.add_argument(
-        "--budgets", default="0.05,0.1", help="replay budgets: fractions of L in [0, 1], or token counts like 256tok"
-    )
-    validate.add_argument("--methods", default=",".join(METHODS), help=f"comma list of methods: {', '.join(METHODS)}")
-    validate.add_argument(
-        "--checkpoint-interval", type=int, default=384, help="store linear-state checkpoints every B tokens (0: none)"
-    )
-    validate.add_argument("--seed", type=int, default=0, help="seed for the tiny model's weights and the prompts")
-    validate.add_argument("--repeats", type=int, default=3, help="timing repeats (TTFT is the median)")
-    validate.add_argument("--greedy-tokens", type=int, default=16, help="G, tokens of greedy continuation compared")
     validate.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    validate.add_argument(
-        "--store",
-        default=None,
-        help="put the cached prompt through this store and serve the hit from it: memory://, file:///DIR, "
-        "redis://HOST:PORT, valkey://HOST:PORT, lmcache://… (default: keep it in this process)",
-    )
-    validate.add_argument("--cache-salt", default="", help="tenant salt: prompts of one salt never hit another's")
-    validate.add_argument("--out", type=Path, default=Path("out/validate"), help="output directory")
-    validate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_output_options(validate, "out/validate")
 
     store = commands.add_parser("store", help="inspect, empty or benchmark a store")
     actions = store.add_subparsers(dest="action", required=True)
@@ -81,7 +169,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "a time, beside the hybridkv codec's own cost and, for redis/valkey, redis-benchmark on the same "
             "server. Writes OUT/store_bench.json."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
     bench.add_argument("--store", action="append", required=True, help="store URL; repeat for several backends")
     bench.add_argument("--repeats", type=int, default=20, help="operations per entry size (the checkpoint: 1/5)")
@@ -97,30 +185,15 @@ def _build_parser() -> argparse.ArgumentParser:
             "and answers each one with each method through the setup/build_cache/answer contract. Rows are "
             "appended as they are scored, so a killed run resumes without duplicating rows."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
+    _add_fields(run, ArenaPlan, workload={"choices": WORKLOADS})
+    _add_fields(run, ArenaConfig)
     run.add_argument(
-        "--workload",
-        default="ruler",
-        choices=WORKLOADS,
-        help="ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
-        "multi-turn (each turn extends the last), rag (retrieved passages, each cached alone), "
-        "agent-reports (sub-agents' reports, each cached alone; the answer needs two), "
-        "kvsharearena (KVShareArena's frozen querysets, one cache per declared chunk; needs --data)",
+        "--tasks", type=NAMES, default=None, help="comma list of tasks (default: every task the workload can make)"
     )
-    run.add_argument("--tasks", default=None, help="comma list of tasks (default: every task the workload can make)")
-    run.add_argument("--lengths", type=_int_list, default="4096", help="target prompt lengths in tokens")
+    run.add_argument("--lengths", type=INTS, default="4096", help="target prompt lengths in tokens")
     run.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    run.add_argument(
-        "--methods",
-        default="no-context,full,zero-state,checkpoint,tail-replay",
-        help="methods (no-context is the PGR floor, full the oracle; entry-point methods work too); "
-        "NAME@BUDGET runs a budgeted method at that budget only, e.g. tail-replay-recompute@0.05; "
-        "ATTENTION+LINEAR runs a position-independent pair over separately encoded chunks, e.g. epic+linearkv "
-        "(attention: naive, position-corrected, epic, cacheblend, prophet; "
-        "linear: zero, linearkv, linearkv-relevant, compose)",
-    )
-    run.add_argument("--budgets", default="0.05,0.1", help="budgets for methods that take one")
     run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
     _add_device_options(run)
     run.add_argument(
@@ -130,16 +203,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "KVShareArena's data/queryset folder",
     )
     run.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: per task)")
-    run.add_argument("--checkpoint-interval", type=int, default=384, help="state checkpoints for checkpoint methods")
     run.add_argument(
         "--cache-model",
         default=None,
         help="cross-checkpoint reuse: caches are built by this checkpoint (built-in name or directory) of the same "
         "architecture and size as --model, which answers (default: --model builds them)",
     )
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--out", type=Path, default=Path("out/arena"), help="output directory (resumed if it exists)")
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--seed", type=int, default=0, help="seed for the samples and a random model's weights")
+    _add_output_options(run, "out/arena", "output directory (resumed if it exists)")
     score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
@@ -162,18 +233,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "beside full prefill in the same process (medians over repeats), and prints the measured speedup beside "
             "the FLOP bound and the decay bound. Writes OUT/summary.json and OUT/ttft.png."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
-    ttft.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_fields(ttft, TTFTConfig, skip=("store", "cache_salt"))
     _add_device_options(ttft)
-    ttft.add_argument("--prefix-lengths", type=_int_list, default="8192,16384,32768", help="matched prefix lengths")
-    ttft.add_argument("--budgets", default="0.02,0.05,0.1", help="tail budgets (fractions or e.g. 256tok)")
-    ttft.add_argument("--suffix-length", type=int, default=16, help="new tokens after the matched prefix")
-    ttft.add_argument("--checkpoint-interval", type=int, default=1024, help="state checkpoints every B tokens")
-    ttft.add_argument("--repeats", type=int, default=3, help="timing repeats (medians)")
-    ttft.add_argument("--seed", type=int, default=0)
-    ttft.add_argument("--out", type=Path, default=Path("out/ttft"), help="output directory")
-    ttft.add_argument("--no-progress", action="store_true")
+    _add_output_options(ttft, "out/ttft")
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -185,15 +249,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "Writes the result beside a checkpoint directory (hybridkv-calibration.json), where the vLLM connector "
             'reads it with "replay_horizon": "calibrated"; for a built-in model, to --out.'
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
     calibrate.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
     _add_device_options(calibrate)
-    calibrate.add_argument("--tokens", type=int, default=4096, help="tokens per sample prompt")
-    calibrate.add_argument("--samples", type=int, default=4, help="sample prompts")
-    calibrate.add_argument("--tolerance", type=float, default=0.01, help="bound on a zeroed state's surviving share")
-    calibrate.add_argument("--quantile", type=float, default=0.95, help="of the shortest tails over positions")
-    calibrate.add_argument("--seed", type=int, default=0, help="which sample prompts (and a random model's weights)")
+    _add_fields(calibrate, CalibrateConfig)
     calibrate.add_argument("--out", type=Path, default=None, help="output file (default: beside a checkpoint)")
 
     plan = commands.add_parser(
@@ -204,17 +264,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "the cache memory of checkpoint-every-B schemes vs tail-replay for a workload, and the speedup over "
             "full prefill that the FLOP cost model predicts for each method (an upper bound)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
     plan.add_argument(
-        "--model", default="glm-5.3-flash", help="glm-5.3-flash, a built-in tiny model, or a checkpoint dir"
+        "--model", default=GLM_5_3_FLASH, help=f"{GLM_5_3_FLASH}, a built-in tiny model, or a checkpoint dir"
     )
-    plan.add_argument("--prefix-lengths", type=_int_list, default="8192,16384,32768", help="matched prefix lengths")
-    plan.add_argument("--suffix-tokens", type=int, default=64, help="new tokens after the matched prefix")
-    plan.add_argument("--budgets", default="0.02,0.05,0.1", help="tail-replay budgets (fractions or e.g. 256tok)")
-    plan.add_argument("--intervals", type=_int_list, default="1024,3584", help="checkpoint intervals B to compare")
-    plan.add_argument("--rate", type=float, default=1.0, help="new distinct prefixes per second")
-    plan.add_argument("--retention", type=float, default=600.0, help="seconds each prefix is kept")
+    _add_fields(plan, Workload, budgets={"type": BUDGET_TEXTS})
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     bench_vllm = commands.add_parser(
@@ -228,33 +283,22 @@ def _build_parser() -> argparse.ArgumentParser:
             "Writes OUT/summary.json (one row per workload, config, clients and budget), OUT/report.md and a TTFT plot "
             "per workload. Needs the vllm extra (pip install 'hybridkv[vllm]')."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
     bench_vllm.add_argument(
         "--model",
-        default="grid-2048",
+        default=DEFAULT_BENCH_MODEL,
         help="checkpoint directory vLLM can serve, or a seeded random-weight bench model written to OUT/<name>: "
         "grid-2048 (vLLM derives a 2,176-token block for it, a production-shaped grid) or grid-640 (a fine grid)",
     )
-    bench_vllm.add_argument(
-        "--workloads", default="shared-system,multi-turn,rag-mix,grid-aligned", help="comma list of server workloads"
-    )
-    bench_vllm.add_argument("--clients", type=_int_list, default="1,4,16", help="concurrent client counts")
-    bench_vllm.add_argument(
-        "--budgets", default="0.05,adaptive",
-        help="hybridkv replay budgets: fractions, token counts (256tok), or adaptive (the horizon `hybridkv calibrate` "
-        "measures on the model, written beside it on first use)",
+    server_budget = comma_list(lambda text: text if text == ADAPTIVE else _budget_text(text), "budgets or adaptive")
+    _add_fields(
+        bench_vllm, BenchPlan,
+        workloads={"type": comma_list(str, "server workloads", choices=SERVER_WORKLOADS)},
+        budgets={"type": server_budget},
     )  # fmt: skip
-    bench_vllm.add_argument("--requests", type=int, default=24, help="requests per workload and client count")
-    bench_vllm.add_argument(
-        "--engines", type=int, default=1,
-        help="vllm serve processes per configuration, on one store; each conversation moves to another at every turn",
-    )  # fmt: skip
-    bench_vllm.add_argument("--min-prefix", type=int, default=1024, help="shortest shared prefix (tokens)")
-    bench_vllm.add_argument("--max-prefix", type=int, default=16384, help="longest shared prefix (tokens)")
-    bench_vllm.add_argument("--store", default=None, help="hybridkv store URL (default: a file store in OUT/store)")
-    bench_vllm.add_argument("--out", type=Path, default=Path("out/vllm-bench"), help="output directory")
-    bench_vllm.add_argument("--no-progress", action="store_true")
+    _add_fields(bench_vllm, Shape)
+    _add_output_options(bench_vllm, "out/vllm-bench")
 
     train = commands.add_parser(
         "train",
@@ -267,40 +311,9 @@ def _build_parser() -> argparse.ArgumentParser:
             "running the same command again resumes from the last checkpoint. Keep RUN_DIR outside the "
             "repository; `hybridkv train --export` copies the trained weights where the package loads them."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=defaults,
     )
-    from hybridkv.train.loop import DEFAULT_SCHEDULE, TrainConfig
-
-    defaults = TrainConfig(model="tiny-glm5-next", run_dir=Path("."))
-    train.add_argument("run_dir", type=Path, help="run directory (created; resumed when it holds a checkpoint)")
-    train.add_argument("--model", default="tiny-glm5-next", help="model shape to train (hybridkv/train/shapes.py)")
-    train.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the data stream")
-    train.add_argument(
-        "--schedule",
-        default=",".join(f"{length}:{steps}" for length, steps in DEFAULT_SCHEDULE),
-        help="curriculum: LENGTH:STEPS pairs, example length in tokens and optimiser steps at it",
-    )
-    train.add_argument("--tokens-per-step", type=int, default=defaults.tokens_per_step, help="tokens per batch")
-    train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (cosine decay)")
-    train.add_argument("--eval-every", type=int, default=defaults.eval_every, help="held-out evaluation interval")
-    train.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint interval (steps)")
-    train.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
-    train.add_argument("--stop-at", type=int, default=None, help="end this stretch at this step (resume later)")
-    train.add_argument(
-        "--tasks",
-        default="",
-        help="comma list of training tasks, NAME or NAME:WEIGHT (a bare name keeps its default weight; "
-        "documents, the rag/agent-reports shape, is drawn only when named with a weight; empty: the whole mix)",
-    )
-    train.add_argument(
-        "--init", type=Path, default=None,
-        help="start a fresh run from these weights (a model directory, e.g. hybridkv/models/weights/tiny-glm5-next)",
-    )  # fmt: skip
-    train.add_argument(
-        "--shape", default="",
-        help="JSON object of config fields replacing the model shape's own, e.g. "
-        "'{\"num_attention_heads\": 8, \"kv_lora_rank\": 128}' (the exported config.json keeps them)",
-    )  # fmt: skip
+    _add_fields(train, TrainConfig, schedule={"type": _schedule}, shape={"type": _shape})
     train.add_argument(
         "--export", action="store_true",
         help="do not train: copy RUN_DIR's checkpoint weights into the package as the built-in MODEL",
@@ -308,38 +321,42 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _shape(text: str) -> dict:
-    import json
+def _add_output_options(parser: argparse.ArgumentParser, out: str, help: str = "output directory") -> None:
+    parser.add_argument("--out", type=Path, default=Path(out), help=help)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _schedule(text: str) -> tuple[tuple[int, int], ...]:
+    from hybridkv.train.loop import parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except HybridKVError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _shape(text: str) -> dict:
     try:
         shape = json.loads(text or "{}")
     except json.JSONDecodeError as e:
-        raise HybridKVError(f"--shape is not JSON ({e.msg}): {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
     if not isinstance(shape, dict):
-        raise HybridKVError(f"--shape must be a JSON object of config fields, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object of config fields, not {text!r}")
     return shape
 
 
 def _train(args: argparse.Namespace) -> None:
-    from hybridkv.train.loop import TrainConfig, export, parse_schedule, train
+    from hybridkv.train.loop import TrainConfig, export, train
 
     if args.export:
         print(f"wrote {export(args.run_dir, args.model)}")
         return
-    config = TrainConfig(
-        model=args.model, run_dir=args.run_dir, seed=args.seed, schedule=parse_schedule(args.schedule),
-        tokens_per_step=args.tokens_per_step, lr=args.lr, eval_every=args.eval_every, save_every=args.save_every,
-        threads=args.threads, stop_at=args.stop_at, tasks=tuple(t for t in args.tasks.split(",") if t),
-        init=args.init, shape=_shape(args.shape),
-    )  # fmt: skip
-    checkpoint = train(config)
+    checkpoint = train(_config(TrainConfig, args))
     print(f"checkpoint: {checkpoint}\nlog: {args.run_dir / 'log.jsonl'}\nplot: {args.run_dir / 'loss.png'}")
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    import json
-
-    from hybridkv.eval.calibrate import calibrate
+    from hybridkv.eval.calibrate import CalibrateConfig, calibrate
     from hybridkv.models.calibration import CALIBRATION_FILE
 
     out = args.out
@@ -347,29 +364,16 @@ def _calibrate(args: argparse.Namespace) -> None:
         if not Path(args.model).is_dir():
             raise HybridKVError(f"--model {args.model} is not a checkpoint directory: give --out for its calibration")
         out = Path(args.model) / CALIBRATION_FILE
-    if args.tokens < 256 or args.samples < 1:
-        raise HybridKVError("--tokens must be at least 256 and --samples at least 1")
-    result = calibrate(_load(args), args.tokens, args.samples, args.tolerance, args.quantile, args.seed)
+    config = _config(CalibrateConfig, args)  # a bad value fails before the model loads
+    result = calibrate(_load(args), config)
     print(json.dumps({"horizon": result.horizon, "layers": result.layers, "text": result.text}))
     print(f"wrote {result.write(out)}")
 
 
 def _ttft(args: argparse.Namespace) -> None:
-    from hybridkv.eval.ttft import TTFT_METHODS, run_ttft, table
-    from hybridkv.eval.validate import ValidateConfig
-    from hybridkv.methods import Budget
+    from hybridkv.eval.ttft import TTFTConfig, run_ttft, table
 
-    config = ValidateConfig(
-        model=args.model,
-        prefix_lengths=args.prefix_lengths,
-        suffix_length=args.suffix_length,
-        budgets=[Budget.parse(part) for part in args.budgets.split(",") if part.strip()],
-        methods=TTFT_METHODS,
-        checkpoint_interval=args.checkpoint_interval,
-        seed=args.seed,
-        repeats=args.repeats,
-        greedy_tokens=1,
-    )
+    config = _config(TTFTConfig, args)
     config.check()
     summary = run_ttft(_load(args), config, args.out, show_progress=not args.no_progress)
     print(table(summary["rows"]))
@@ -377,39 +381,24 @@ def _ttft(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    import json
-
     from hybridkv.eval.plan import Workload, make_plan, plan_table
-    from hybridkv.methods import Budget
 
-    budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
-    for budget in budgets:
-        Budget.parse(budget)
-    if min(args.prefix_lengths) < 1 or args.suffix_tokens < 1 or min(args.intervals) < 1:
+    workload = _config(Workload, args)
+    if min([*workload.prefix_lengths, workload.suffix_tokens, *workload.intervals]) < 1:
         raise HybridKVError("prefix lengths, suffix tokens and intervals must be positive")
-    if args.rate < 0 or args.retention < 0:
+    if workload.new_prefixes_per_s < 0 or workload.retention_s < 0:
         raise HybridKVError("--rate and --retention must not be negative")
-    workload = Workload(tuple(args.prefix_lengths), args.suffix_tokens, args.rate, args.retention, budgets,
-                        tuple(args.intervals))  # fmt: skip
     plan = make_plan(args.model, workload)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan_table(plan, workload))
 
 
 def _vllm_bench(args: argparse.Namespace) -> None:
-    from hybridkv.methods import Budget
-
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    for budget in budgets:
-        if budget != "adaptive":
-            Budget.parse(budget)  # a bad budget fails before any server starts
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if (
         args.requests < 1
         or args.engines < 1
-        or not args.clients
-        or min(args.clients) < 1
-        or not budgets
-        or not workloads
+        or min(args.clients, default=0) < 1
+        or not args.budgets
+        or not args.workloads
     ):
         raise HybridKVError(
             "--requests, --engines and every --clients value must be positive; give a budget and a workload"
@@ -419,19 +408,17 @@ def _vllm_bench(args: argparse.Namespace) -> None:
     try:
         from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
         from hybridkv.integrations.vllm.models import BENCH_MODELS, write_servable
-        from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape
+        from hybridkv.integrations.vllm.workloads import Shape
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
-    if unknown := [w for w in workloads if w not in SERVER_WORKLOADS]:
-        raise HybridKVError(f"--workloads: unknown {', '.join(unknown)} (known: {', '.join(SERVER_WORKLOADS)})")
     model = args.model
     if model in BENCH_MODELS:
         model = str(write_servable(args.out / model, model))
     elif not Path(model).is_dir():
         raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or one of {', '.join(BENCH_MODELS)})")
-    shape = Shape(args.min_prefix, args.max_prefix, args.requests)
-    plan = BenchPlan(model, workloads, args.clients, budgets, shape, args.store, engines=args.engines)
-    run_bench(plan, args.out, show_progress=not args.no_progress)
+    run_bench(
+        _config(BenchPlan, args, model=model, shape=_config(Shape, args)), args.out, show_progress=not args.no_progress
+    )
     print((args.out / "report.md").read_text())
 
 
@@ -439,24 +426,11 @@ def _validate(args: argparse.Namespace) -> None:
     import torch
 
     from hybridkv.eval.validate import ValidateConfig, run_validate
-    from hybridkv.methods import Budget
     from hybridkv.report.validate_report import format_table, write_outputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ValidateConfig(
-        model=args.model,
-        prefix_lengths=args.prefix_lengths,
-        suffix_length=args.suffix_length,
-        budgets=[Budget.parse(part) for part in args.budgets.split(",") if part.strip()],
-        methods=[part.strip() for part in args.methods.split(",") if part.strip()],
-        checkpoint_interval=args.checkpoint_interval or None,
-        seed=args.seed,
-        repeats=args.repeats,
-        greedy_tokens=args.greedy_tokens,
-        store=args.store,
-        cache_salt=args.cache_salt,
-    )
+    config = _config(ValidateConfig, args, checkpoint_interval=args.checkpoint_interval or None)
     config.check()
     model = _load(args)
     results = run_validate(model, config, show_progress=not args.no_progress)
@@ -469,8 +443,6 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _store(args: argparse.Namespace) -> None:
-    import json
-
     from hybridkv.store import open_store
 
     store = open_store(args.store)
@@ -484,8 +456,6 @@ def _store(args: argparse.Namespace) -> None:
 
 
 def _store_bench(args: argparse.Namespace) -> None:
-    import json
-
     from tqdm import tqdm
 
     from hybridkv.eval.store_bench import format_bench_table, glm5_entry_sizes, run_store_bench
@@ -540,15 +510,14 @@ def _arena(args: argparse.Namespace) -> None:
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
     from hybridkv.eval.workloads import get_workload
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
-    from hybridkv.methods import Budget
     from hybridkv.models.tokenizer import load_tokenizer
 
     workload = get_workload(args.workload)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    methods = args.methods
+    budgets = args.budgets
     for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
         get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
-    tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else list(workload.default_tasks)
+    tasks = args.tasks if args.tasks else list(workload.default_tasks)
     if unknown := [t for t in tasks if t not in workload.tasks]:
         raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.tasks)}")
     from hybridkv.eval.kva import check_resume, record_run  # OUT/run.json: the run's options, for resuming and export
@@ -651,7 +620,11 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    """Run one command; the exit status: 0, or 2 for a bad option (argparse's error) or a HybridKVError."""
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, or argparse's error on stderr
+        return int(done.code or 0)
     _quiet_libraries()
     try:
         if args.command == "validate":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.calibrate import Calibration, calibrate, sample_prompts, shortest_tails
+from hybridkv.eval.calibrate import CalibrateConfig, Calibration, calibrate, sample_prompts, shortest_tails
 from hybridkv.models.decay import DecaySummary, record_decay, summarise
 
 
@@ -27,7 +27,7 @@ def test_a_calibrated_horizon_holds_on_prompts_it_did_not_see(models):
     """Measured on two prompts of the trained Gated DeltaNet model, the horizon bounds a zeroed
     state's share below the tolerance at (nearly) every position of a third, unseen prompt."""
     model = models["tiny-qwen3-next"]
-    result = calibrate(model, tokens=1024, samples=2, tolerance=0.01, quantile=0.95)
+    result = calibrate(model, CalibrateConfig(tokens=1024, samples=2, tolerance=0.01, quantile=0.95))
     assert result.text == "essay text" and len(result.layers) == len(model.description.linear_layers)
     assert result.horizon is not None and result.horizon == max(result.layers)
     fresh, _ = sample_prompts(model, 1024, 3, seed=1)  # prompts 3-5: none of the two calibrated on

@@ -18,7 +18,11 @@ from hybridkv.models.decay import DecaySummary, record_decay, summarise
 from hybridkv.models.kv import LinearState, LinearStates, PromptKV
 from hybridkv.models.loader import HybridModel
 
-__all__ = ["CachedPrompt", "LinearState", "LinearStates", "PromptKV", "capture_prompt"]
+__all__ = ["CHECKPOINT_INTERVAL", "CachedPrompt", "LinearState", "LinearStates", "PromptKV", "capture_prompt"]
+
+# The checkpoint interval B (tokens between linear-state checkpoints) that `hybridkv validate` and
+# the arena's checkpoint methods use unless told otherwise.
+CHECKPOINT_INTERVAL = 384
 
 
 @dataclass

@@ -26,9 +26,32 @@ from hybridkv.models import HybridModel
 
 @dataclass
 class ArenaPlan:
-    workload: str
-    methods: list[str]
-    budgets: list[Budget] = field(default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)])
+    """Which methods `hybridkv arena run` answers a workload with. A field's `help` is its flag's
+    text (`hybridkv.cli`)."""
+
+    workload: str = field(
+        default="ruler",
+        metadata={
+            "help": "ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
+            "multi-turn (each turn extends the last), rag (retrieved passages, each cached alone), "
+            "agent-reports (sub-agents' reports, each cached alone; the answer needs two), "
+            "kvsharearena (KVShareArena's frozen querysets, one cache per declared chunk; needs --data)"
+        },
+    )
+    methods: list[str] = field(
+        default_factory=lambda: ["no-context", "full", "zero-state", "checkpoint", "tail-replay"],
+        metadata={
+            "help": "methods (no-context is the PGR floor, full the oracle; entry-point methods work too); "
+            "NAME@BUDGET runs a budgeted method at that budget only, e.g. tail-replay-recompute@0.05; "
+            "ATTENTION+LINEAR runs a position-independent pair over separately encoded chunks, e.g. epic+linearkv "
+            "(attention: naive, position-corrected, epic, cacheblend, prophet; "
+            "linear: zero, linearkv, linearkv-relevant, compose)"
+        },
+    )
+    budgets: list[Budget] = field(
+        default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)],
+        metadata={"help": "budgets for methods that take one"},
+    )
 
 
 def row_key(sample_id: str, method: str, budget) -> tuple[str, str, str]:

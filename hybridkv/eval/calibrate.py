@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,25 @@ from hybridkv.errors import HybridKVError
 from hybridkv.models.calibration import Calibration
 from hybridkv.models.decay import DecaySummary, record_decay, summarise
 from hybridkv.models.loader import HybridModel
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """How a model is calibrated. A field's `help` is its `hybridkv calibrate` flag's text."""
+
+    tokens: int = field(default=4096, metadata={"help": "tokens per sample prompt"})
+    samples: int = field(default=4, metadata={"help": "sample prompts"})
+    tolerance: float = field(default=0.01, metadata={"help": "bound on a zeroed state's surviving share"})
+    quantile: float = field(default=0.95, metadata={"help": "of the shortest tails over positions"})
+    seed: int = field(default=0, metadata={"help": "which sample prompts (and a random model's weights)"})
+
+    def __post_init__(self) -> None:
+        if self.tokens < 256 or self.samples < 1:
+            raise HybridKVError(f"calibrate: tokens ({self.tokens}) must be at least 256 and samples at least 1")
+        if not 0 < self.tolerance < 1 or not 0 < self.quantile <= 1:
+            raise HybridKVError(
+                f"calibrate: tolerance {self.tolerance} and quantile {self.quantile} must lie in (0, 1)"
+            )
 
 
 def shortest_tails(summary: DecaySummary, tolerance: float) -> list[list[float]]:
@@ -72,13 +92,10 @@ def sample_prompts(model: HybridModel, tokens: int, samples: int, seed: int = 0)
     return [torch.tensor([rng.randrange(3, vocab) for _ in range(tokens)]) for _ in range(samples)], "random token ids"
 
 
-def calibrate(
-    model: HybridModel, tokens: int = 4096, samples: int = 4, tolerance: float = 0.01, quantile: float = 0.95,
-    seed: int = 0,
-) -> Calibration:  # fmt: skip
-    if not 0 < tolerance < 1 or not 0 < quantile <= 1:
-        raise HybridKVError(f"calibrate: tolerance {tolerance} and quantile {quantile} must lie in (0, 1)")
-    prompts, text = sample_prompts(model, tokens, samples, seed)
+def calibrate(model: HybridModel, config: CalibrateConfig | None = None) -> Calibration:
+    config = config or CalibrateConfig()
+    tokens, samples, tolerance, quantile = config.tokens, config.samples, config.tolerance, config.quantile
+    prompts, text = sample_prompts(model, tokens, samples, config.seed)
     tails: list[list[float]] | None = None
     for prompt in prompts:
         with torch.inference_mode(), record_decay(model) as gates:

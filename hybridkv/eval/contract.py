@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridkv.cache import CachedPrompt, Hit, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, CachedPrompt, Hit, capture_prompt
 from hybridkv.cache.chunks import EncodedChunk, encode_chunk
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
@@ -76,7 +76,10 @@ class CaptureCache:
 @dataclass
 class ArenaConfig:
     max_new_tokens: int = 32  # the runner sets it per sample (the task's answer budget, capped by the user)
-    checkpoint_interval: int | None = 384
+    checkpoint_interval: int | None = field(
+        default=CHECKPOINT_INTERVAL,
+        metadata={"help": "state checkpoints for checkpoint methods, every B tokens (0: none)"},
+    )
     extra: dict[str, Any] = field(default_factory=dict)
     # The run's shared captures: `run_arena` gives each run its own. None: every build captures anew.
     captures: CaptureCache | None = field(default=None, repr=False, compare=False)

@@ -26,12 +26,19 @@ GLM_5_3_FLASH = "glm-5.3-flash"
 
 @dataclass(frozen=True)
 class Workload:
-    prefix_lengths: tuple[int, ...] = (8192, 16384, 32768)
-    suffix_tokens: int = 64
-    new_prefixes_per_s: float = 1.0
-    retention_s: float = 600.0
-    budgets: tuple[str, ...] = ("0.02", "0.05", "0.1")
-    intervals: tuple[int, ...] = (1024, 3584)
+    """The deployment `hybridkv plan` sizes. A field's `help` is its flag's text (`flag` names it where
+    the field's name does not)."""
+
+    prefix_lengths: tuple[int, ...] = field(default=(8192, 16384, 32768), metadata={"help": "matched prefix lengths"})
+    suffix_tokens: int = field(default=64, metadata={"help": "new tokens after the matched prefix"})
+    new_prefixes_per_s: float = field(
+        default=1.0, metadata={"help": "new distinct prefixes per second", "flag": "--rate"}
+    )
+    retention_s: float = field(default=600.0, metadata={"help": "seconds each prefix is kept", "flag": "--retention"})
+    budgets: tuple[str, ...] = field(
+        default=("0.02", "0.05", "0.1"), metadata={"help": "tail-replay budgets (fractions or e.g. 256tok)"}
+    )
+    intervals: tuple[int, ...] = field(default=(1024, 3584), metadata={"help": "checkpoint intervals B to compare"})
 
 
 @dataclass

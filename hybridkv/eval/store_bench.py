@@ -34,7 +34,7 @@ class EntrySize:
     repeats: int
 
 
-def glm5_entry_sizes(repeats: int = 20) -> list[EntrySize]:
+def glm5_entry_sizes(repeats: int) -> list[EntrySize]:
     sizes = glm5_next.cache_sizes()
     return [
         EntrySize("kv-chunk-256tok", 256 * sizes.kv_bytes_per_token, repeats),

@@ -9,12 +9,33 @@ span and a plot of measured speedup against it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.eval.validate import ValidateConfig, run_validate
+from hybridkv.methods import Budget
 from hybridkv.models import HybridModel
 
 TTFT_METHODS = ["full", "tail-replay", "tail-replay-recompute", "adaptive-replay", "checkpoint", "seeded-replay"]
+
+
+@dataclass
+class TTFTConfig(ValidateConfig):
+    """validate's measurement at long prefixes with a short suffix: the methods above, one greedy token."""
+
+    prefix_lengths: list[int] = field(
+        default_factory=lambda: [8192, 16384, 32768], metadata={"help": "matched prefix lengths"}
+    )
+    suffix_length: int = field(default=16, metadata={"help": "new tokens after the matched prefix"})
+    budgets: list[Budget] = field(
+        default_factory=lambda: [Budget(fraction=0.02), Budget(fraction=0.05), Budget(fraction=0.1)],
+        metadata={"help": "tail budgets (fractions or e.g. 256tok)"},
+    )
+    methods: list[str] = field(default_factory=lambda: list(TTFT_METHODS))
+    checkpoint_interval: int | None = field(default=1024, metadata={"help": "state checkpoints every B tokens"})
+    greedy_tokens: int = 1
+
+
 FIELDS = (
     "method",
     "budget",
@@ -31,7 +52,7 @@ FIELDS = (
 
 def run_ttft(model: HybridModel, config: ValidateConfig, out: Path, show_progress: bool = True) -> dict:
     results = run_validate(model, config, show_progress=show_progress)
-    rows = [{field: row[field] for field in FIELDS} for row in results["rows"]]
+    rows = [{name: row[name] for name in FIELDS} for row in results["rows"]]
     for row in rows:
         row["of_bound"] = row["speedup"] / row["bound"] if row["bound"] else None
     summary = {"model": results["model"]["name"], "config": results["config"], "rows": rows}

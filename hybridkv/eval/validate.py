@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, Hit, PrefixCache, capture_prompt
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, dropped_state_bound, execute, get_method
 from hybridkv.methods.full import Full
-from hybridkv.models import DEFAULT_MODEL, HybridModel
+from hybridkv.models import BUILTIN_MODELS, DEFAULT_MODEL, HybridModel
 from hybridkv.models.arch import cost_model
 from hybridkv.models.cost import CostModel
 from hybridkv.store import GuardedStore, open_store
@@ -38,17 +38,39 @@ from hybridkv.store import GuardedStore, open_store
 
 @dataclass
 class ValidateConfig:
-    model: str = DEFAULT_MODEL
-    prefix_lengths: list[int] = field(default_factory=lambda: [1000, 2048])
-    suffix_length: int = 64
-    budgets: list[Budget] = field(default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)])
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    checkpoint_interval: int | None = 384
-    seed: int = 0
-    repeats: int = 3
-    greedy_tokens: int = 16
-    store: str | None = None  # a store URL; None keeps cached prompts in this process only
-    cache_salt: str = ""
+    """What `hybridkv validate` measures. A field's `help` is its flag's text: `hybridkv.cli` makes one
+    flag per field that has one, with the field's default."""
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": f"built-in model ({', '.join(BUILTIN_MODELS)}) or a checkpoint directory"},
+    )
+    prefix_lengths: list[int] = field(
+        default_factory=lambda: [1000, 2048], metadata={"help": "matched prefix lengths L"}
+    )
+    suffix_length: int = field(default=64, metadata={"help": "new tokens after the match (fidelity positions)"})
+    budgets: list[Budget] = field(
+        default_factory=lambda: [Budget(fraction=0.05), Budget(fraction=0.1)],
+        metadata={"help": "replay budgets: fractions of L in [0, 1], or token counts like 256tok"},
+    )
+    methods: list[str] = field(
+        default_factory=lambda: list(METHODS), metadata={"help": f"comma list of methods: {', '.join(METHODS)}"}
+    )
+    checkpoint_interval: int | None = field(
+        default=CHECKPOINT_INTERVAL,
+        metadata={"help": "store linear-state checkpoints every B tokens (0: none)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed for the tiny model's weights and the prompts"})
+    repeats: int = field(default=3, metadata={"help": "timing repeats (TTFT is the median)"})
+    greedy_tokens: int = field(default=16, metadata={"help": "G, tokens of greedy continuation compared"})
+    store: str | None = field(  # None keeps cached prompts in this process only
+        default=None,
+        metadata={
+            "help": "put the cached prompt through this store and serve the hit from it: memory://, file:///DIR, "
+            "redis://HOST:PORT, valkey://HOST:PORT, lmcache://… (default: keep it in this process)"
+        },
+    )
+    cache_salt: str = field(default="", metadata={"help": "tenant salt: prompts of one salt never hit another's"})
 
     def check(self, model: HybridModel | None = None) -> None:
         if not self.prefix_lengths or any(length < 1 for length in self.prefix_lengths):

@@ -38,32 +38,57 @@ DEFAULT_SCHEDULE = ((512, 400), (1024, 120), (2048, 100), (4096, 60), (8192, 25)
 
 @dataclass
 class TrainConfig:
-    model: str
-    run_dir: Path
-    seed: int = 0
-    schedule: tuple[tuple[int, int], ...] = DEFAULT_SCHEDULE  # (example length, steps) in order
-    tokens_per_step: int = 8192
-    lr: float = 2e-3
+    """A training run. A field's `help` is its `hybridkv train` flag's (or argument's) text."""
+
+    run_dir: Path = field(metadata={"help": "run directory (created; resumed when it holds a checkpoint)"})
+    model: str = field(default="tiny-glm5-next", metadata={"help": "model shape to train (hybridkv/train/shapes.py)"})
+    seed: int = field(default=0, metadata={"help": "seed for the initial weights and the data stream"})
+    schedule: tuple[tuple[int, int], ...] = field(  # (example length, steps) in order
+        default=DEFAULT_SCHEDULE,
+        metadata={"help": "curriculum: LENGTH:STEPS pairs, example length in tokens and optimiser steps at it"},
+    )
+    tokens_per_step: int = field(default=8192, metadata={"help": "tokens per batch"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (cosine decay)"})
     min_lr: float = 2e-4
     warmup: int = 50
     decay: float = 0.15  # share of all steps over which the rate falls from lr to min_lr, at the end
     weight_decay: float = 0.01
-    tasks: tuple[str, ...] = ()  # NAME or NAME:WEIGHT from hybridkv.train.data.TASKS; () = the default mix
+    tasks: tuple[str, ...] = field(  # NAME or NAME:WEIGHT from hybridkv.train.data.TASKS; () = the default mix
+        default=(),
+        metadata={
+            "help": "comma list of training tasks, NAME or NAME:WEIGHT (a bare name keeps its default weight; "
+            "documents, the rag/agent-reports shape, is drawn only when named with a weight; empty: the whole mix)"
+        },
+    )
     answer_weight: float = 3.0
     indexer_weight: float = 1.0
     indexer_queries: int = 64
-    eval_every: int = 100
+    eval_every: int = field(default=100, metadata={"help": "held-out evaluation interval"})
     eval_lengths: tuple[int, ...] = (1024, 2048, 4096)
     eval_samples: int = 16
-    save_every: int = 25
-    threads: int = 0  # 0: torch's default
-    stop_at: int | None = None  # end this stretch (after a save) at this step; run again to go on
+    save_every: int = field(default=25, metadata={"help": "checkpoint interval (steps)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
+    stop_at: int | None = field(  # end this stretch (after a save) at this step; run again to go on
+        default=None, metadata={"help": "end this stretch at this step (resume later)"}
+    )
     # A fresh run starts from these weights (a model directory: a shipped tiny-* or an exported run)
     # instead of the library's initialisation; checkpoints of earlier sessions do not outlive them.
-    init: Path | None = None
+    init: Path | None = field(
+        default=None,
+        metadata={
+            "help": "start a fresh run from these weights (a model directory, e.g. "
+            "hybridkv/models/weights/tiny-glm5-next)"
+        },
+    )
     # Config fields that replace the shape's own (`--shape '{"kv_lora_rank": 128}'`); the exported
     # config.json carries them, so the model loads as trained.
-    shape: dict = field(default_factory=dict)
+    shape: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "JSON object of config fields replacing the model shape's own, e.g. "
+            '\'{"num_attention_heads": 8, "kv_lora_rank": 128}\' (the exported config.json keeps them)'
+        },
+    )
     extra: dict = field(default_factory=dict)
 
     @property

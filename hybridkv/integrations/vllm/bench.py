@@ -51,15 +51,33 @@ SUMMARY_FIELDS = (
 
 @dataclass
 class BenchPlan:
-    model: str
-    workloads: list[str] = field(default_factory=lambda: list(SERVER_WORKLOADS))
-    clients: list[int] = field(default_factory=lambda: [1, 4, 16])
-    budgets: list[str] = field(default_factory=lambda: ["0.05"])  # or "adaptive": the calibrated horizon
+    """What `hybridkv vllm-bench` runs. A field's `help` is its flag's text (`hybridkv.cli`)."""
+
+    model: str  # a checkpoint directory vLLM serves
+    workloads: list[str] = field(
+        default_factory=lambda: list(SERVER_WORKLOADS), metadata={"help": "comma list of server workloads"}
+    )
+    clients: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrent client counts"})
+    budgets: list[str] = field(
+        default_factory=lambda: ["0.05", ADAPTIVE],
+        metadata={
+            "help": "hybridkv replay budgets: fractions, token counts (256tok), or adaptive (the horizon "
+            "`hybridkv calibrate` measures on the model, written beside it on first use)"
+        },
+    )
     shape: Shape = field(default_factory=Shape)
-    store: str | None = None  # default: a file store under the output folder, emptied first
+    store: str | None = field(  # emptied first
+        default=None, metadata={"help": "hybridkv store URL (default: a file store in OUT/store)"}
+    )
     top_logprobs: int = 20
     seed: int = 0
-    engines: int = 1  # vllm serve processes per configuration, on one store; sessions move between them
+    engines: int = field(
+        default=1,
+        metadata={
+            "help": "vllm serve processes per configuration, on one store; each conversation moves to another at "
+            "every turn"
+        },
+    )
 
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv.errors import HybridKVError
 
@@ -32,9 +32,9 @@ from hybridkv.errors import HybridKVError
 class Shape:
     """Sizes every workload draws from: prefix lengths log-uniform in [min_prefix, max_prefix]."""
 
-    min_prefix: int = 1024
-    max_prefix: int = 16384
-    requests: int = 24
+    min_prefix: int = field(default=1024, metadata={"help": "shortest shared prefix (tokens)"})
+    max_prefix: int = field(default=16384, metadata={"help": "longest shared prefix (tokens)"})
+    requests: int = field(default=24, metadata={"help": "requests per workload and client count"})
     block_size: int = 2176  # vLLM's block (the bench sets the one the server chose; grid-aligned uses it)
     vocab: int = 500
 

@@ -1,0 +1,107 @@
+"""The command line's options come from the commands' config dataclasses: a parser's defaults are its
+config's, a default changed in a config shows in `--help`, and comma lists refuse a bad value in one
+line before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cache import CHECKPOINT_INTERVAL
+from hybridkv.cli import BUDGETS, INTS, NAMES, _add_fields, _build_parser, _config, comma_list, main
+from hybridkv.eval.arena import ArenaPlan
+from hybridkv.eval.calibrate import CalibrateConfig
+from hybridkv.eval.contract import ArenaConfig
+from hybridkv.eval.plan import Workload
+from hybridkv.eval.ttft import TTFTConfig
+from hybridkv.eval.validate import ValidateConfig
+from hybridkv.integrations.vllm.bench import BenchPlan
+from hybridkv.integrations.vllm.workloads import Shape
+from hybridkv.methods import Budget
+from hybridkv.train.loop import TrainConfig
+
+
+def _defaults(*argv: str):
+    return _build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "made", "expected"),
+    [
+        (["validate"], lambda a: _config(ValidateConfig, a), ValidateConfig()),
+        (["ttft"], lambda a: _config(TTFTConfig, a), TTFTConfig()),
+        (["calibrate"], lambda a: _config(CalibrateConfig, a), CalibrateConfig()),
+        (["plan"], lambda a: _config(Workload, a), Workload()),
+        (["arena", "run"], lambda a: _config(ArenaPlan, a), ArenaPlan()),
+        (["arena", "run"], lambda a: _config(ArenaConfig, a), ArenaConfig()),
+        (["vllm-bench"], lambda a: _config(BenchPlan, a, model="m", shape=_config(Shape, a)), BenchPlan("m")),
+        (["train", "RUN"], lambda a: _config(TrainConfig, a), TrainConfig(run_dir=Path("RUN"))),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else "",
+)
+def test_every_commands_defaults_are_its_configs(argv, made, expected):
+    assert made(_defaults(*argv)) == expected
+
+
+def test_the_checkpoint_interval_default_is_one_constant():
+    assert ValidateConfig().checkpoint_interval == ArenaConfig().checkpoint_interval == CHECKPOINT_INTERVAL
+    assert _defaults("validate").checkpoint_interval == _defaults("arena", "run").checkpoint_interval
+    assert _defaults("validate").checkpoint_interval == CHECKPOINT_INTERVAL
+
+
+def _help(capsys, *argv: str) -> str:
+    assert main([*argv, "--help"]) == 0
+    return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+
+def test_a_default_changed_in_the_config_shows_in_help_and_is_parsed(monkeypatch, capsys):
+    monkeypatch.setattr(ValidateConfig.__dataclass_fields__["suffix_length"], "default", 99)
+    monkeypatch.setattr(Workload.__dataclass_fields__["prefix_lengths"], "default", (4096, 512))
+    assert "--suffix-length SUFFIX_LENGTH new tokens after the match (fidelity positions) (default: 99)" in _help(
+        capsys, "validate"
+    )
+    assert "--prefix-lengths PREFIX_LENGTHS matched prefix lengths (default: 4096,512)" in _help(capsys, "plan")
+    assert _defaults("validate").suffix_length == 99
+    assert _config(Workload, _defaults("plan")).prefix_lengths == (4096, 512)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "says"),
+    [
+        (["validate", "--prefix-lengths", "1024,x"], "--prefix-lengths", "comma list of integers, got '1024,x'"),
+        (["validate", "--budgets", "0.05,2"], "--budgets", "budget 2 is outside [0, 1]"),
+        (["ttft", "--budgets", "half"], "--budgets", "budget 'half' is not a number"),
+        (["arena", "run", "--budgets", "0.1,abc"], "--budgets", "'abc' is not a number"),
+        (["arena", "run", "--lengths", "4k"], "--lengths", "comma list of integers"),
+        (["plan", "--intervals", "1.5"], "--intervals", "comma list of integers"),
+        (["plan", "--budgets", "7"], "--budgets", "outside [0, 1]"),
+        (["vllm-bench", "--clients", "1,two"], "--clients", "comma list of integers"),
+        (["vllm-bench", "--budgets", "adaptive,sometimes"], "--budgets", "'sometimes' is not a number"),
+        (["vllm-bench", "--workloads", "rag-mix,nope,gone"], "--workloads", "unknown nope, gone (known: shared-system"),
+        (["train", "RUN", "--schedule", "512:x"], "--schedule", "LENGTH:STEPS pairs"),
+        (["train", "RUN", "--shape", "[1]"], "--shape", "a JSON object of config fields"),
+    ],
+)
+def test_a_bad_value_is_a_one_line_error_naming_its_flag(argv, flag, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"hybridkv: error: argument {flag}: "), err
+    assert says in err and err.endswith(" --help")
+
+
+def test_comma_lists_parse_what_they_name():
+    assert INTS("1, 2,,3,") == [1, 2, 3]
+    assert NAMES("") == [] and NAMES("a, b") == ["a", "b"]
+    assert BUDGETS("0.05,256tok") == [Budget(fraction=0.05), Budget(tokens=256)]
+    assert comma_list(str, "colours", choices=("red", "blue"))("blue,red") == ["blue", "red"]
+
+
+def test_a_field_without_a_flag_type_is_refused_where_the_parser_is_built():
+    @dataclasses.dataclass
+    class Odd:
+        table: dict = dataclasses.field(default_factory=dict, metadata={"help": "a mapping"})
+
+    with pytest.raises(TypeError, match=r"Odd.table: no flag type"):
+        _add_fields(_build_parser(), Odd)
