@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridkv import HybridKVError
-from hybridkv.cache import CachedPrompt, Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CachedMatch, CachedPrompt, PrefixCache, capture_prompt
 from hybridkv.methods import METHODS, Budget, Recipe, execute, get_method
 from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
@@ -41,7 +41,7 @@ class Scenario:
     model: object
     cached: CachedPrompt
     prompt: torch.Tensor
-    hit: Hit
+    hit: CachedMatch
     matched: int
     reference: torch.Tensor  # single-pass logits of the suffix positions
     reference_cache: object
@@ -331,12 +331,12 @@ def test_hit_not_shorter_than_prompt_is_refused(models, make_workload):
     tokens, _ = make_workload(0, 1, 40, seed=1)
     cached = capture_prompt(model, tokens)
     for length in (40, 41):
-        hit = Hit(cached, length)
+        hit = CachedMatch(cached, length)
         with pytest.raises(HybridKVError):
             execute(model, tokens, hit, Recipe(0, 0), logits_to_keep=1)
     longer = torch.cat([tokens, tokens[:5]])
     with pytest.raises(HybridKVError):  # claims more than the cached prompt holds
-        execute(model, longer, Hit(cached, 41), Recipe(0, 0), logits_to_keep=1)
+        execute(model, longer, CachedMatch(cached, 41), Recipe(0, 0), logits_to_keep=1)
 
 
 def test_hit_with_other_tokens_is_refused(models, make_workload):
@@ -344,13 +344,13 @@ def test_hit_with_other_tokens_is_refused(models, make_workload):
     cached_tokens, prompt = make_workload(20, 40, 40, seed=2)
     cached = capture_prompt(model, cached_tokens)
     with pytest.raises(HybridKVError, match="mismatch"):
-        execute(model, prompt, Hit(cached, 25), get_method("zero-state").recipe(Hit(cached, 25), None))
+        execute(model, prompt, CachedMatch(cached, 25), get_method("zero-state").recipe(CachedMatch(cached, 25), None))
     other = prompt.clone()
     other[0] = 3 + (int(other[0]) - 3 + 1) % 509  # differs at the very first token
     with pytest.raises(HybridKVError, match="mismatch"):
-        execute(model, other, Hit(cached, 20), get_method("full").recipe(Hit(cached, 20), None))
+        execute(model, other, CachedMatch(cached, 20), get_method("full").recipe(CachedMatch(cached, 20), None))
     # the true prefix is accepted
-    execute(model, prompt, Hit(cached, 20), get_method("zero-state").recipe(Hit(cached, 20), None))
+    execute(model, prompt, CachedMatch(cached, 20), get_method("zero-state").recipe(CachedMatch(cached, 20), None))
 
 
 def test_unknown_method():
@@ -372,8 +372,8 @@ def test_recipe_beyond_the_match_is_refused(models, make_workload):
     cached_tokens, prompt = make_workload(20, 40, 40, seed=3)
     cached = capture_prompt(model, cached_tokens, checkpoint_interval=8)
     with pytest.raises(ValueError):
-        execute(model, prompt, Hit(cached, 20), Recipe(exact_kv_tokens=24, state_position=24))
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(exact_kv_tokens=24, state_position=24))
     with pytest.raises(ValueError):  # no checkpoint stored at 20
-        execute(model, prompt, Hit(cached, 20), Recipe(exact_kv_tokens=20, state_position=20, state_seed=True))
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(exact_kv_tokens=20, state_position=20, state_seed=True))
     with pytest.raises(ValueError):  # more logits than computed positions
-        execute(model, prompt, Hit(cached, 20), Recipe(20, 20), logits_to_keep=21)
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(20, 20), logits_to_keep=21)

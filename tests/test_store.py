@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv import HybridKVError
-from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CachedMatch, PrefixCache, capture_prompt
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.cli import main
@@ -370,7 +370,7 @@ def stored_cache(model, url_or_store, salt: str = "", **kwargs) -> StoredPrefixC
     return StoredPrefixCache(model, GuardedStore(store), salt, checkpoint_interval=INTERVAL, **kwargs)
 
 
-def assert_same_hit(model, stored: Hit, expected: Hit, prompt: torch.Tensor) -> None:
+def assert_same_hit(model, stored: CachedMatch, expected: CachedMatch, prompt: torch.Tensor) -> None:
     assert stored is not None
     assert stored.length == expected.length
     n = stored.length

@@ -18,7 +18,7 @@ import pytest
 import redis
 import torch
 
-from hybridkv.cache import Hit, capture_prompt
+from hybridkv.cache import CachedMatch, capture_prompt
 from hybridkv.cache.keys import state_key
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.eval.validate import ValidateConfig, run_validate, validate_prefix
@@ -141,7 +141,7 @@ class Scene:
 
     def check_outputs(self, ledger: Ledger, hit, label: str) -> None:
         ledger.check(hit_is_correct(self.model, hit, self.prompt, self.cached), f"{label}: hit")
-        hit = hit if hit is not None else Hit.miss()  # as validate does: a miss recomputes
+        hit = hit if hit is not None else CachedMatch.miss()  # as validate does: a miss recomputes
         for name, budget in EXACT_PLANS:
             recipe = METHODS[name].recipe(hit, budget)
             logits = execute(self.model, self.prompt, hit, recipe, logits_to_keep=self.suffix).logits

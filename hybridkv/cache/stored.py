@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_block_key, model_fingerprint, state_key
-from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
 from hybridkv.errors import CorruptEntry
@@ -158,7 +158,7 @@ class StoredPrefixCache:
             return None
         return states
 
-    def lookup(self, prompt: torch.Tensor) -> Hit | None:
+    def lookup(self, prompt: torch.Tensor) -> CachedMatch | None:
         """The longest stored prefix of `prompt` (never its last token), with the checkpoint at or before it."""
         prompt = prompt.reshape(-1)
         limit = prompt.numel() - 1
@@ -179,4 +179,4 @@ class StoredPrefixCache:
         decay = None  # blocks written without a summary (an architecture without a gate probe) give none
         if all(d is not None for d in block_decay) and len({size for _, size in block_decay}) == 1:
             decay = DecaySummary(torch.cat([rows for rows, _ in block_decay]), block_decay[0][1])
-        return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)
+        return CachedMatch(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridkv.cache import CHECKPOINT_INTERVAL, CachedPrompt, Hit, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, CachedMatch, CachedPrompt, capture_prompt
 from hybridkv.cache.chunks import EncodedChunk, encode_chunk
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
@@ -163,7 +163,7 @@ class RecoveryArenaMethod:
         prompt = torch.cat(
             [cached.tokens, *(other.tokens for other in others), torch.tensor(question, dtype=torch.long)]
         )
-        hit = Hit(cached, len(cached))
+        hit = CachedMatch(cached, len(cached))
         start = time.perf_counter()
         outcome = execute(self.model, prompt, hit, self.recovery.recipe(hit, self.budget), logits_to_keep=1)
         ttft = time.perf_counter() - start
