@@ -14,7 +14,7 @@ import torch
 
 from hybridkv import HybridKVError
 from hybridkv.cache import CachedMatch, CachedPrompt, PrefixCache, capture_prompt
-from hybridkv.methods import METHODS, Budget, Recipe, execute, get_method
+from hybridkv.methods import METHODS, Budget, PositionsMatch, Recipe, execute, get_method
 from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
 
@@ -377,3 +377,19 @@ def test_recipe_beyond_the_match_is_refused(models, make_workload):
         execute(model, prompt, CachedMatch(cached, 20), Recipe(exact_kv_tokens=20, state_position=20, state_seed=True))
     with pytest.raises(ValueError):  # more logits than computed positions
         execute(model, prompt, CachedMatch(cached, 20), Recipe(20, 20), logits_to_keep=21)
+
+
+@pytest.mark.parametrize("method_name", list(METHODS))
+def test_each_methods_declared_flags_agree_with_its_recipes(method_name):
+    """The flags callers act on (`reuses_kv`: build and count KV; `uses_checkpoints`: store states;
+    `uses_budget`: sweep budgets) say what the recipes really do."""
+    method = METHODS[method_name]
+    budgets = [Budget(tokens=16), Budget(tokens=64)] if method.uses_budget else [None]
+    bare, gridded = PositionsMatch(100), PositionsMatch(100, (32, 64, 96))
+    recipes = [method.recipe(match, budget) for match in (bare, gridded) for budget in budgets]
+    assert any(recipe.exact_kv_tokens > 0 for recipe in recipes) == method.reuses_kv
+    with_grid = [method.recipe(gridded, budget) for budget in budgets]
+    without = [method.recipe(bare, budget) for budget in budgets]
+    assert (with_grid != without) == method.uses_checkpoints
+    if method.uses_budget:
+        assert any(method.recipe(match, budgets[0]) != method.recipe(match, budgets[1]) for match in (bare, gridded))

@@ -208,7 +208,7 @@ def validate_prefix(
                 "greedy_agreement": greedy_agreement(reference_greedy, greedy),
                 **split_noise,
                 "state_bytes": cached.state_bytes() if method.uses_checkpoints else 0,
-                "kv_bytes": 0 if method.name == "full" else cached.kv_bytes(),
+                "kv_bytes": cached.kv_bytes() if method.reuses_kv else 0,
                 "cache_build_s": build_s,
             }
         )

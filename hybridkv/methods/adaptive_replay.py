@@ -27,6 +27,7 @@ class AdaptiveReplay:
     name: str = "adaptive-replay"
     uses_budget: bool = True
     uses_checkpoints: bool = False
+    reuses_kv: bool = True
     tolerance: float = DEFAULT_TOLERANCE
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:

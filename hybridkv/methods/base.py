@@ -115,9 +115,12 @@ class PositionsMatch:
 
 
 class RecoveryMethod(Protocol):
+    """A recovery method: its name is for display and keys; what it does is declared by its flags."""
+
     name: str
-    uses_budget: bool
-    uses_checkpoints: bool
+    uses_budget: bool  # its recipe depends on the replay budget
+    uses_checkpoints: bool  # its recipe reads stored linear-state checkpoints
+    reuses_kv: bool  # its recipe loads cached attention KV (False: the whole prompt is recomputed)
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe: ...
 
