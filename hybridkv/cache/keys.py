@@ -167,6 +167,7 @@ class PrefixKeys:
         data = token_bytes(tokens)
         step = self.block_tokens * 8
         keys = [self.root]
+        # b"chunk" and b"partial" are fixed tags hashed into every stored key: changing them orphans stores.
         for start in range(0, len(data) - step + 1, step):
             keys.append(_sha(b"chunk", keys[-1], data[start : start + step]))
         return keys
