@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CachedMatch, PrefixCache, capture_prompt
 from hybridkv.eval.validate import make_workload
 from hybridkv.models import DEFAULT_MODEL, HybridModel
 
@@ -21,7 +21,7 @@ def parser(doc: str, prefix_length: int = 4096, suffix: int = 16) -> argparse.Ar
     return parser
 
 
-def cached_hit(model: HybridModel, prefix_length: int, suffix: int, seed: int = 0) -> tuple[torch.Tensor, Hit]:
+def cached_hit(model: HybridModel, prefix_length: int, suffix: int, seed: int = 0) -> tuple[torch.Tensor, CachedMatch]:
     """A new prompt and its hit on a cached prompt (no checkpoints) that shares its first `prefix_length` tokens."""
     work = make_workload(model, prefix_length, suffix, seed=seed)
     cache = PrefixCache()

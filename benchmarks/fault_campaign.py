@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from hybridkv.cache import capture_prompt
-from hybridkv.cache.keys import kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.keys import model_fingerprint, state_key, variant_slot_key
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.methods import METHODS, Budget, execute
 from hybridkv.models import load_model
@@ -56,11 +56,11 @@ def start_redis() -> tuple[subprocess.Popen, int]:
 
 
 def entry_keys(stored: StoredPrefixCache, tokens: torch.Tensor, checkpoints) -> list[str]:
-    """Every entry the cached prompt wrote: its KV chunks, the slots listing them, its checkpoints."""
+    """Every entry the cached prompt wrote: its KV blocks, the slots listing them, its checkpoints."""
     chain = stored.keys.chain(tokens)
-    starts = range(0, len(tokens), stored.keys.chunk_tokens)
-    kv = [stored.chunk_key(tokens, i) for i in range(len(starts))]
-    slots = [kv_chunk_key(chain[i], int(tokens[start])) for i, start in enumerate(starts)]
+    starts = range(0, len(tokens), stored.keys.block_tokens)
+    kv = [stored.block_key(tokens, i) for i in range(len(starts))]
+    slots = [variant_slot_key(chain[i], int(tokens[start])) for i, start in enumerate(starts)]
     return kv + slots + [state_key(stored.keys.prefix(tokens, p, chain)) for p in checkpoints]
 
 

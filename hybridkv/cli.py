@@ -164,7 +164,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "bench",
         help="put/get latency and throughput per store backend, for GLM-5.3-Flash-sized entries",
         description=(
-            "Times puts and gets of GLM-5.3-Flash-sized entries (a 256-token KV chunk of its 11 attention "
+            "Times puts and gets of GLM-5.3-Flash-sized entries (a 256-token KV block of its 11 attention "
             "layers, one KDA layer's state, one whole 34-layer state checkpoint) on each store, one request at "
             "a time, beside the hybridkv codec's own cost and, for redis/valkey, redis-benchmark on the same "
             "server. Writes OUT/store_bench.json."

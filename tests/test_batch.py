@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridkv import HybridKVError
-from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CachedMatch, PrefixCache, capture_prompt
 from hybridkv.methods import Recipe, execute, execute_batch
 from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
@@ -41,7 +41,7 @@ def test_a_batch_answers_as_each_request_alone(models, make_workload, name):
             hit = store.lookup(prompt)
             assert hit.length == matched
         else:
-            hit = Hit.miss()
+            hit = CachedMatch.miss()
         prompts.append(prompt)
         hits.append(hit)
         recipes.append(Recipe(n, s, seeded))

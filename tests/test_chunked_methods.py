@@ -8,7 +8,7 @@ whatever the linear policy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from hybridkv.methods.chunked.prophet import Prophet, relevance
 from tests.conftest import random_tokens
 
 NAMES = ["random-glm5-next", "random-qwen3-next", "random-kimi-linear", "random-olmo-hybrid", "random-nemotron-h"]
-STATEFUL = [name for name in LINEAR if name != "zero"]  # zero drops the chunk's state by design
+STATEFUL = [name for name, policy in LINEAR.items() if policy.stores_states]  # zero drops them by design
 
 
 @dataclass(frozen=True)
@@ -198,3 +198,21 @@ def test_prophets_relevance_lands_on_the_fact_the_question_asks_for(models, name
         top = torch.topk(torch.cat(scores), 10).indices.tolist()
         inside.append(sum(offset + first <= t < offset + last for t in top))
     assert min(inside) >= 1 and sum(inside) >= 15, inside
+
+
+def test_each_linear_policys_stores_states_says_whether_the_chunks_end_states_are_read(models):
+    """`stores_states` is what the arena counts state bytes by: a policy declaring False must give the
+    same answer whatever the chunks' end states hold, and one declaring True must read them."""
+    model = models["random-olmo-hybrid"]
+    vocab = model.config.vocab_size
+    parts = [random_tokens(n, seed=60 + n, vocab=vocab) for n in (50, 40)]
+    question = random_tokens(6, seed=3, vocab=vocab)
+    chunks = [encode_chunk(model, part) for part in parts]
+    moved = [
+        replace(chunk, end_states={i: s.map(lambda t: t + 0.5) for i, s in chunk.end_states.items()})
+        for chunk in chunks
+    ]
+    for name, policy in LINEAR.items():
+        same = execute_chunks(model, chunks, question, ATTENTION["naive"], policy).logits
+        other = execute_chunks(model, moved, question, ATTENTION["naive"], policy).logits
+        assert bool((same - other).abs().max() > 1e-4) == policy.stores_states, name

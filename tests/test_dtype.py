@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridkv.cache import capture_prompt
-from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.cli import main
 from hybridkv.methods.base import Recipe, execute
 from hybridkv.models import load_model
@@ -51,7 +51,7 @@ def test_bfloat16_resumes_are_within_the_dtypes_own_noise(name):
     splits = [[cut] for cut in range(16, PROMPT - KEEP + 1, 16)] + [grid, grid[:-1]]
     noise = max(_distance(full, _prefill_split(model, tokens, cuts)) for cuts in splits)
     allowed = 2 * noise
-    hit = Hit(capture_prompt(model, tokens[:MATCHED], checkpoint_interval=INTERVAL), MATCHED)
+    hit = CachedMatch(capture_prompt(model, tokens[:MATCHED], checkpoint_interval=INTERVAL), MATCHED)
     exact = (Recipe(MATCHED, 0), Recipe(MATCHED, MATCHED, True), Recipe(MATCHED, MATCHED - INTERVAL, True))
     for recipe in exact:
         distance = _distance(full, execute(model, tokens, hit, recipe, logits_to_keep=KEEP).logits)

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv import HybridKVError
 from hybridkv.cache import assemble_cache, capture_prompt
-from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.methods.base import Recipe, execute
 from hybridkv.methods.batch import execute_batch
 from hybridkv.models import load_model
@@ -69,7 +69,7 @@ def test_supported_family_resumes_exactly(checkpoint, key):
     tokens = torch.randint(3, model.config.vocab_size - 8, (PROMPT,), generator=torch.Generator().manual_seed(1))
     full = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
     cached = capture_prompt(model, tokens[:MATCHED], checkpoint_interval=INTERVAL)
-    hit = Hit(cached, MATCHED)
+    hit = CachedMatch(cached, MATCHED)
     recipes = {
         "whole-prefix replay": Recipe(MATCHED, 0),  # exact KV, every state rebuilt from zero
         "checkpoint at the match": Recipe(MATCHED, MATCHED, state_seed=True),
@@ -99,11 +99,11 @@ def test_qwen4_exp_resumes_at_any_length_alone_or_batched(checkpoint):
     for matched in range(MATCHED - ratio, MATCHED):  # every remainder modulo the compress ratio
         keep = PROMPT - matched
         for recipe in (Recipe(matched, 0), Recipe(matched, matched, True), Recipe(matched, matched - 3, True)):
-            outcome = execute(model, tokens, Hit(cached, matched), recipe, logits_to_keep=keep)
+            outcome = execute(model, tokens, CachedMatch(cached, matched), recipe, logits_to_keep=keep)
             torch.testing.assert_close(outcome.logits, full[-keep:], atol=1e-4, rtol=0, msg=f"{matched}: {recipe}")
     # two rows, 2 tokens of left padding before the shorter one's KV
     prompts, recipes = [tokens, tokens[:-2]], [Recipe(39, 37, True), Recipe(37, 35, True)]
-    outcomes = execute_batch(model, prompts, [Hit(cached, 39), Hit(cached, 37)], recipes)
+    outcomes = execute_batch(model, prompts, [CachedMatch(cached, 39), CachedMatch(cached, 37)], recipes)
     torch.testing.assert_close(outcomes[0].logits, full[-1:], atol=1e-4, rtol=0)
     torch.testing.assert_close(outcomes[1].logits, full[-3:-2], atol=1e-4, rtol=0)
 

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.keys import PrefixKeys, model_fingerprint, state_key, variant_slot_key
 from hybridkv.models import load_model
 from hybridkv.store.codec import _PREFIX, MAGIC, VERSION, CorruptEntry, Entry, decode, encode
 
@@ -361,7 +361,7 @@ def test_chunk_key_changes_with_tokens_salt_and_model(chunk, data):
 def test_store_keys_are_lowercase_hex_digests(tokens, size):
     keys = PrefixKeys(FP_A, "", size)
     chain = keys.chain(tokens)
-    made = [kv_chunk_key(c, t) for c in chain for t in sorted({0, tokens[0]})]
+    made = [variant_slot_key(c, t) for c in chain for t in sorted({0, tokens[0]})]
     made += [state_key(keys.prefix(tokens, p, chain)) for p in range(len(tokens) + 1)]
     for key in made:
         assert len(key) == 64 and all(c in HEX for c in key)
@@ -386,7 +386,7 @@ import json, os, sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 torch.set_num_threads(1)
-from hybridkv.cache.keys import PrefixKeys, kv_chunk_key, model_fingerprint, state_key
+from hybridkv.cache.keys import PrefixKeys, model_fingerprint, state_key, variant_slot_key
 from hybridkv.models import load_model
 names, tokens = json.loads(sys.argv[1])
 out = {}
@@ -400,7 +400,7 @@ for name in names:
             "chain": [c.hex() for c in chain],
             "prefix": [keys.prefix(tokens, p).hex() for p in (0, 1, 63, 64, 65, 150)],
             "chunk": keys.chunk(tokens[10:30]).hex(),
-            "kv": [kv_chunk_key(c, tokens[0]) for c in chain],
+            "kv": [variant_slot_key(c, tokens[0]) for c in chain],
             "state": state_key(keys.prefix(tokens, 128)),
         }
 print(json.dumps(out))
@@ -419,7 +419,7 @@ def _keys_in_this_process(models) -> dict:
                 "chain": [c.hex() for c in chain],
                 "prefix": [keys.prefix(KEY_TOKENS, p).hex() for p in (0, 1, 63, 64, 65, 150)],
                 "chunk": keys.chunk(KEY_TOKENS[10:30]).hex(),
-                "kv": [kv_chunk_key(c, KEY_TOKENS[0]) for c in chain],
+                "kv": [variant_slot_key(c, KEY_TOKENS[0]) for c in chain],
                 "state": state_key(keys.prefix(KEY_TOKENS, 128)),
             }
     return out

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hybridkv import HybridKVError
-from hybridkv.cache import CachedPrompt, Hit, PrefixCache, capture_prompt
-from hybridkv.methods import METHODS, Budget, Recipe, execute, get_method
+from hybridkv.cache import CachedMatch, CachedPrompt, PrefixCache, capture_prompt
+from hybridkv.methods import METHODS, Budget, PositionsMatch, Recipe, execute, get_method
 from hybridkv.models import RANDOM_MODELS
 from tests.helpers import greedy_decode
 
@@ -41,7 +41,7 @@ class Scenario:
     model: object
     cached: CachedPrompt
     prompt: torch.Tensor
-    hit: Hit
+    hit: CachedMatch
     matched: int
     reference: torch.Tensor  # single-pass logits of the suffix positions
     reference_cache: object
@@ -331,12 +331,12 @@ def test_hit_not_shorter_than_prompt_is_refused(models, make_workload):
     tokens, _ = make_workload(0, 1, 40, seed=1)
     cached = capture_prompt(model, tokens)
     for length in (40, 41):
-        hit = Hit(cached, length)
+        hit = CachedMatch(cached, length)
         with pytest.raises(HybridKVError):
             execute(model, tokens, hit, Recipe(0, 0), logits_to_keep=1)
     longer = torch.cat([tokens, tokens[:5]])
     with pytest.raises(HybridKVError):  # claims more than the cached prompt holds
-        execute(model, longer, Hit(cached, 41), Recipe(0, 0), logits_to_keep=1)
+        execute(model, longer, CachedMatch(cached, 41), Recipe(0, 0), logits_to_keep=1)
 
 
 def test_hit_with_other_tokens_is_refused(models, make_workload):
@@ -344,13 +344,13 @@ def test_hit_with_other_tokens_is_refused(models, make_workload):
     cached_tokens, prompt = make_workload(20, 40, 40, seed=2)
     cached = capture_prompt(model, cached_tokens)
     with pytest.raises(HybridKVError, match="mismatch"):
-        execute(model, prompt, Hit(cached, 25), get_method("zero-state").recipe(Hit(cached, 25), None))
+        execute(model, prompt, CachedMatch(cached, 25), get_method("zero-state").recipe(CachedMatch(cached, 25), None))
     other = prompt.clone()
     other[0] = 3 + (int(other[0]) - 3 + 1) % 509  # differs at the very first token
     with pytest.raises(HybridKVError, match="mismatch"):
-        execute(model, other, Hit(cached, 20), get_method("full").recipe(Hit(cached, 20), None))
+        execute(model, other, CachedMatch(cached, 20), get_method("full").recipe(CachedMatch(cached, 20), None))
     # the true prefix is accepted
-    execute(model, prompt, Hit(cached, 20), get_method("zero-state").recipe(Hit(cached, 20), None))
+    execute(model, prompt, CachedMatch(cached, 20), get_method("zero-state").recipe(CachedMatch(cached, 20), None))
 
 
 def test_unknown_method():
@@ -372,8 +372,24 @@ def test_recipe_beyond_the_match_is_refused(models, make_workload):
     cached_tokens, prompt = make_workload(20, 40, 40, seed=3)
     cached = capture_prompt(model, cached_tokens, checkpoint_interval=8)
     with pytest.raises(ValueError):
-        execute(model, prompt, Hit(cached, 20), Recipe(exact_kv_tokens=24, state_position=24))
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(exact_kv_tokens=24, state_position=24))
     with pytest.raises(ValueError):  # no checkpoint stored at 20
-        execute(model, prompt, Hit(cached, 20), Recipe(exact_kv_tokens=20, state_position=20, state_seed=True))
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(exact_kv_tokens=20, state_position=20, state_seed=True))
     with pytest.raises(ValueError):  # more logits than computed positions
-        execute(model, prompt, Hit(cached, 20), Recipe(20, 20), logits_to_keep=21)
+        execute(model, prompt, CachedMatch(cached, 20), Recipe(20, 20), logits_to_keep=21)
+
+
+@pytest.mark.parametrize("method_name", list(METHODS))
+def test_each_methods_declared_flags_agree_with_its_recipes(method_name):
+    """The flags callers act on (`reuses_kv`: build and count KV; `uses_checkpoints`: store states;
+    `uses_budget`: sweep budgets) say what the recipes really do."""
+    method = METHODS[method_name]
+    budgets = [Budget(tokens=16), Budget(tokens=64)] if method.uses_budget else [None]
+    bare, gridded = PositionsMatch(100), PositionsMatch(100, (32, 64, 96))
+    recipes = [method.recipe(match, budget) for match in (bare, gridded) for budget in budgets]
+    assert any(recipe.exact_kv_tokens > 0 for recipe in recipes) == method.reuses_kv
+    with_grid = [method.recipe(gridded, budget) for budget in budgets]
+    without = [method.recipe(bare, budget) for budget in budgets]
+    assert (with_grid != without) == method.uses_checkpoints
+    if method.uses_budget:
+        assert any(method.recipe(match, budgets[0]) != method.recipe(match, budgets[1]) for match in (bare, gridded))

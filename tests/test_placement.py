@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from hybridkv import HybridKVError
 from hybridkv.cache import capture_prompt
-from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.methods.base import Recipe, execute
 from hybridkv.models import load_model
 from hybridkv.models.arch import cache_sizes
@@ -77,7 +77,7 @@ def test_a_spread_checkpoint_resumes_exactly(checkpoint):
     assert model.layer_devices is not None and set(model.layer_devices) == set(range(model.description.num_layers))
     tokens = torch.randint(3, 500, (48,), generator=torch.Generator().manual_seed(2))
     full = model.forward(tokens, model.new_cache(), start=0, logits_to_keep=1)
-    hit = Hit(capture_prompt(model, tokens[:40], checkpoint_interval=8), 40)
+    hit = CachedMatch(capture_prompt(model, tokens[:40], checkpoint_interval=8), 40)
     for recipe in (Recipe(40, 0), Recipe(40, 40, state_seed=True), Recipe(40, 32, state_seed=True)):
         torch.testing.assert_close(execute(model, tokens, hit, recipe).logits, full, atol=1e-4, rtol=0)
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv import HybridKVError
-from hybridkv.cache import Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CachedMatch, PrefixCache, capture_prompt
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.cli import main
@@ -35,11 +35,11 @@ from hybridkv.store.file import FileStore
 from hybridkv.store.memory import MemoryStore
 from tests.helpers import lcp
 
-CHUNK = 64  # StoredPrefixCache's default chunk size
+BLOCK = 64  # StoredPrefixCache's default block size
 INTERVAL = 64  # state checkpoint interval
 CACHED_LEN = 200
 PROMPT_LEN = 200
-MATCHED = 150  # not a multiple of CHUNK: the match ends inside a chunk
+MATCHED = 150  # not a multiple of BLOCK: the match ends inside a block
 BUDGETS = [Budget(fraction=0.1), Budget(fraction=1.0)]
 BACKENDS = ["memory", "file", "redis", "valkey"]
 
@@ -370,7 +370,7 @@ def stored_cache(model, url_or_store, salt: str = "", **kwargs) -> StoredPrefixC
     return StoredPrefixCache(model, GuardedStore(store), salt, checkpoint_interval=INTERVAL, **kwargs)
 
 
-def assert_same_hit(model, stored: Hit, expected: Hit, prompt: torch.Tensor) -> None:
+def assert_same_hit(model, stored: CachedMatch, expected: CachedMatch, prompt: torch.Tensor) -> None:
     assert stored is not None
     assert stored.length == expected.length
     n = stored.length
@@ -427,8 +427,8 @@ def test_stored_hit_equals_in_memory_hit_and_gives_the_same_logits(reference, na
     ref = reference(name)
     stored = stored_cache(ref.model, backend_url)
     written = stored.add(ref.cached)
-    chunks = -(-CACHED_LEN // CHUNK)
-    assert written == chunks + len(ref.cached.checkpoints)
+    blocks = -(-CACHED_LEN // BLOCK)
+    assert written == blocks + len(ref.cached.checkpoints)
     hit = stored.lookup(ref.prompt)
     assert_same_hit(ref.model, hit, ref.hit, ref.prompt)
     assert stored.store.counts["corrupt"] == 0
@@ -515,26 +515,26 @@ def test_token_level_match_is_the_longest_common_prefix(memory_stored, length, e
     assert_same_hit(ref.model, hit, oracle.lookup(prompt), prompt)
 
 
-@pytest.mark.parametrize("chunk_tokens", [16, 48, 100])
-def test_other_chunk_sizes_give_the_same_hit(reference, chunk_tokens):
+@pytest.mark.parametrize("block_tokens", [16, 48, 100])
+def test_other_block_sizes_give_the_same_hit(reference, block_tokens):
     ref = reference("random-qwen3-next")
-    stored = stored_cache(ref.model, "memory://", chunk_tokens=chunk_tokens)
-    assert stored.add(ref.cached) == -(-CACHED_LEN // chunk_tokens) + len(ref.cached.checkpoints)
+    stored = stored_cache(ref.model, "memory://", block_tokens=block_tokens)
+    assert stored.add(ref.cached) == -(-CACHED_LEN // block_tokens) + len(ref.cached.checkpoints)
     assert_same_hit(ref.model, stored.lookup(ref.prompt), ref.hit, ref.prompt)
 
 
-def test_prompts_diverging_inside_a_chunk_each_keep_theirs(reference):
-    """C1 and C2 agree up to 10 tokens into chunk 1 (a shared header, then other passages), so both
-    list their chunk 1 in one slot. Each prompt still finds its own chunk, with its exact KV and
+def test_prompts_diverging_inside_a_block_each_keep_theirs(reference):
+    """C1 and C2 agree up to 10 tokens into block 1 (a shared header, then other passages), so both
+    list their block 1 in one slot. Each prompt still finds its own block, with its exact KV and
     checkpoint; a prompt leaving both inside those 10 tokens gets them from either."""
     ref = reference("random-qwen3-next")
     model = ref.model
     c1 = ref.cached_tokens
-    c2 = _diverging(c1, CHUNK + 10, CACHED_LEN, seed=99)
+    c2 = _diverging(c1, BLOCK + 10, CACHED_LEN, seed=99)
     cached2 = capture_prompt(model, c2, INTERVAL)
     stored = stored_cache(model, "memory://")
     stored.add(ref.cached)
-    stored.add(cached2)  # written last: keyed by chunks named by the slot alone, it took chunk 1's
+    stored.add(cached2)  # written last: keyed by blocks named by the slot alone, it took block 1's
     assert_same_hit(model, stored.lookup(ref.prompt), ref.hit, ref.prompt)  # follows C1 for MATCHED tokens
     for plan in [("full", None), ("checkpoint", None), ("tail-replay", BUDGETS[-1])]:
         logits = ref.run(stored.lookup(ref.prompt), plan)[1].logits
@@ -544,9 +544,9 @@ def test_prompts_diverging_inside_a_chunk_each_keep_theirs(reference):
     oracle = PrefixCache()
     oracle.add(cached2)
     assert_same_hit(model, stored.lookup(prompt2), oracle.lookup(prompt2), prompt2)  # follows C2
-    early = _diverging(c1, CHUNK + 5, 230, seed=7)
-    assert stored.lookup(early).length == CHUNK + 5
-    inside = _diverging(c1, CHUNK + 30, 230, seed=8)  # leaves C1 inside chunk 1, past where C2 left it
+    early = _diverging(c1, BLOCK + 5, 230, seed=7)
+    assert stored.lookup(early).length == BLOCK + 5
+    inside = _diverging(c1, BLOCK + 30, 230, seed=8)  # leaves C1 inside block 1, past where C2 left it
     oracle = PrefixCache()
     oracle.add(ref.cached)
     assert_same_hit(model, stored.lookup(inside), oracle.lookup(inside), inside)
@@ -627,7 +627,7 @@ def test_two_processes_share_one_cache(reference, redis_server, tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
         written = json.loads(result.stdout.strip().splitlines()[-1])
-        expected_writes = -(-CACHED_LEN // CHUNK) + len(ref.cached.checkpoints)
+        expected_writes = -(-CACHED_LEN // BLOCK) + len(ref.cached.checkpoints)
         for url in urls:
             assert written[url]["written"] == expected_writes, written[url]
             assert written[url]["fingerprint"] == model_fingerprint(ref.model)
@@ -665,7 +665,7 @@ def test_cli_store_stats_and_clear(reference, redis_server, tmp_path, capsys, ba
     assert main(["store", "stats", "--store", url]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["url"] == url
-    assert stats["entries"] == count + -(-CACHED_LEN // CHUNK)  # and each chunk's slot list
+    assert stats["entries"] == count + -(-CACHED_LEN // BLOCK)  # and each block's slot list
     assert stats["bytes"] > ref.cached.kv_bytes()  # every tensor byte is in there, plus headers
     assert main(["store", "clear", "--store", url]) == 0
     out = capsys.readouterr().out

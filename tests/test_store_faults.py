@@ -18,7 +18,7 @@ import pytest
 import redis
 import torch
 
-from hybridkv.cache import Hit, capture_prompt
+from hybridkv.cache import CachedMatch, capture_prompt
 from hybridkv.cache.keys import state_key
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.eval.validate import ValidateConfig, run_validate, validate_prefix
@@ -28,7 +28,7 @@ from hybridkv.store import GuardedStore, open_store
 from hybridkv.store.redis_store import NAMESPACE, RedisStore
 
 MODEL = "random-qwen3-next"
-CHUNK = 64
+BLOCK = 64
 INTERVAL = 64
 CACHED_LEN = 200
 PROMPT_LEN = 200
@@ -141,7 +141,7 @@ class Scene:
 
     def check_outputs(self, ledger: Ledger, hit, label: str) -> None:
         ledger.check(hit_is_correct(self.model, hit, self.prompt, self.cached), f"{label}: hit")
-        hit = hit if hit is not None else Hit.miss()  # as validate does: a miss recomputes
+        hit = hit if hit is not None else CachedMatch.miss()  # as validate does: a miss recomputes
         for name, budget in EXACT_PLANS:
             recipe = METHODS[name].recipe(hit, budget)
             logits = execute(self.model, self.prompt, hit, recipe, logits_to_keep=self.suffix).logits
@@ -381,8 +381,8 @@ def damaged_url(request, tmp_path):
     open_store(url).clear()
 
 
-def _kv_key(stored: StoredPrefixCache, tokens: torch.Tensor, chunk: int) -> str:
-    return stored.chunk_key(tokens, chunk)
+def _kv_key(stored: StoredPrefixCache, tokens: torch.Tensor, block: int) -> str:
+    return stored.block_key(tokens, block)
 
 
 def _state_key(stored: StoredPrefixCache, tokens: torch.Tensor, position: int) -> str:
@@ -430,7 +430,7 @@ def test_damaged_entry_shortens_the_hit_and_is_removed(scene, damaged_url, ledge
         raw.set(key, data[: len(data) * 2 // 3])
     elif how == "truncate-to-nothing":
         raw.set(key, b"")
-    elif how == "kind-swap":  # a KV chunk's bytes where the state checkpoint should be
+    elif how == "kind-swap":  # a KV block's bytes where the state checkpoint should be
         raw.set(key, raw.get(_kv_key(stored, scene.cached_tokens, 1)))
     ledger.fault()
 
@@ -441,7 +441,7 @@ def test_damaged_entry_shortens_the_hit_and_is_removed(scene, damaged_url, ledge
         ledger.check(hit is not None and hit.length == MATCHED, "hit length kept")
         ledger.check(hit is not None and where not in hit.cached.checkpoints, "no checkpoint from the damaged entry")
     else:
-        ledger.check(hit is not None and hit.length == expected, f"hit ends at chunk start {expected}")
+        ledger.check(hit is not None and hit.length == expected, f"hit ends at block start {expected}")
         ledger.check(
             hit is not None and hit.cached.last_checkpoint_at_or_before(hit.length) == expected,
             "the undamaged checkpoint is still used",
@@ -464,7 +464,7 @@ def test_damaged_entry_shortens_the_hit_and_is_removed(scene, damaged_url, ledge
 
 
 MISPLACED = [
-    # (source, chunk or state position, expected length for the reader)
+    # (source, block or state position, expected length for the reader)
     ("other-model", ("kv", 0), None),
     ("other-model", ("kv", 1), 64),
     ("other-model", ("state", 128), "same"),
@@ -520,7 +520,7 @@ def test_entry_copied_under_another_key_is_rejected(scene, other_scene, damaged_
 
 
 def test_several_damaged_entries_in_one_lookup(scene, damaged_url, ledger):
-    """KV chunks 1 and 2 and the checkpoint at 64 damaged: the hit stops at chunk 1, without the
+    """KV blocks 1 and 2 and the checkpoint at 64 damaged: the hit stops at block 1, without the
     checkpoint; both entries the lookup met are counted and removed."""
     stored = _stored(scene.model, damaged_url)
     stored.add(scene.cached)
@@ -531,9 +531,9 @@ def test_several_damaged_entries_in_one_lookup(scene, damaged_url, ledger):
         raw.flip(key, len(raw.get(key)) // 3, 0x04)
         ledger.fault()
     hit = stored.lookup(scene.prompt)
-    ledger.check(hit is not None and hit.length == CHUNK and not hit.cached.checkpoints, "hit of chunk 0 only")
+    ledger.check(hit is not None and hit.length == BLOCK and not hit.cached.checkpoints, "hit of block 0 only")
     scene.check_outputs(ledger, hit, "several damaged")
-    assert stored.store.counts["corrupt"] == 2  # chunk 1 and the checkpoint; the walk never reads chunk 2
+    assert stored.store.counts["corrupt"] == 2  # block 1 and the checkpoint; the walk never reads block 2
     assert raw.get(keys[0]) is None and raw.get(keys[2]) is None
     assert raw.get(keys[1]) is not None
     raw.close()
@@ -545,17 +545,17 @@ def test_several_damaged_entries_in_one_lookup(scene, damaged_url, ledger):
 
 
 def _expected_from_contents(raw: Raw, stored: StoredPrefixCache, scene: Scene) -> int:
-    """The hit a correct lookup gives for what the store really holds: consecutive KV chunks
+    """The hit a correct lookup gives for what the store really holds: consecutive KV blocks
     from the start, capped at the match."""
     covered = 0
-    for i in range(-(-CACHED_LEN // CHUNK)):
+    for i in range(-(-CACHED_LEN // BLOCK)):
         if raw.get(_kv_key(stored, scene.cached_tokens, i)) is None:
             break
-        covered = min(CACHED_LEN, (i + 1) * CHUNK)
+        covered = min(CACHED_LEN, (i + 1) * BLOCK)
     return min(covered, MATCHED)
 
 
-@pytest.mark.parametrize("variant", ["maxmemory-300kb", "room-for-a-few-chunks", "memory-lru", "memory-too-small"])
+@pytest.mark.parametrize("variant", ["maxmemory-300kb", "room-for-a-few-blocks", "memory-lru", "memory-too-small"])
 def test_full_store_drops_writes_and_serves_a_correct_hit(scene, redis_factory, ledger, variant):
     retry_after = 5.0
     if variant.startswith("memory"):
@@ -567,17 +567,17 @@ def test_full_store_drops_writes_and_serves_a_correct_hit(scene, redis_factory, 
     else:
         server = redis_factory("--maxmemory", "300kb", "--maxmemory-policy", "noeviction")
         url = server.url
-        if variant == "room-for-a-few-chunks":
+        if variant == "room-for-a-few-blocks":
             client = redis.Redis(port=server.port)
             used = client.info("memory")["used_memory"]
-            client.config_set("maxmemory", used + 700_000)  # a couple of ~260 kB KV chunks
+            client.config_set("maxmemory", used + 700_000)  # a couple of ~260 kB KV blocks
             client.close()
             retry_after = 0.0
         inner = open_store(url)
         raw = Raw(url)
     store = GuardedStore(inner, retry_after_s=retry_after)
     stored = StoredPrefixCache(scene.model, store, checkpoint_interval=INTERVAL)
-    entries = -(-CACHED_LEN // CHUNK) + len(scene.cached.checkpoints)
+    entries = -(-CACHED_LEN // BLOCK) + len(scene.cached.checkpoints)
     written = stored.add(scene.cached)
     ledger.fault()
     if variant == "memory-lru":  # every write lands, older entries make room
@@ -591,8 +591,8 @@ def test_full_store_drops_writes_and_serves_a_correct_hit(scene, redis_factory, 
         expected = _expected_from_contents(raw, stored, scene)
         ledger.check((hit.length if hit else 0) == expected, f"hit serves what the store holds ({expected})")
         assert written >= 1  # some writes made it, not all
-    if variant == "memory-lru":  # the oldest entries (the first chunks) were evicted
-        ledger.check(hit is None, "no hit without chunk 0")
+    if variant == "memory-lru":  # the oldest entries (the first blocks) were evicted
+        ledger.check(hit is None, "no hit without block 0")
     assert store.counts["corrupt"] == 0
     if raw is not None:
         raw.close()

@@ -10,7 +10,7 @@ import torch
 
 from hybridkv.cache.variants import MAX_VARIANTS
 from hybridkv.integrations.vllm.block_store import BlockStore
-from hybridkv.methods import Budget, StoredMatch
+from hybridkv.methods import Budget, PositionsMatch
 from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
@@ -35,7 +35,7 @@ def blocks() -> BlockStore:
 
 
 def _start(matched: int, budget: Budget, checkpoints: tuple[int, ...]) -> tuple[int, bool]:
-    recipe = SeededReplay().recipe(StoredMatch(matched, checkpoints), budget)
+    recipe = SeededReplay().recipe(PositionsMatch(matched, checkpoints), budget)
     return recipe.state_position, recipe.state_seed
 
 

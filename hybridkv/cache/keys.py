@@ -6,7 +6,7 @@ Everything is SHA-256 over explicit bytes (token ids as little-endian int64), ne
 * the **model fingerprint** — architecture, canonical config and a digest of the weights, so a
   cache written by one model is never read by another;
 * the **tenant salt** (`cache_salt`), so one tenant's prompts never hit another's cache;
-* the tokens: a **chained hash** over C-token chunks for prefixes (the key of a prefix of p
+* the tokens: a **chained hash** over C-token blocks for prefixes (the key of a prefix of p
   tokens commits to all p tokens and their order), and a position-independent **chunk key**
   (fingerprint + salt + the chunk's tokens only) for chunks reused at any position.
 """
@@ -147,41 +147,42 @@ def family_fingerprint(model: HybridModel, family: str) -> str:
 
 
 class PrefixKeys:
-    """Chained prefix keys for one (model, tenant) namespace, with chunks of `chunk_tokens` tokens.
+    """Chained prefix keys for one (model, tenant) namespace, with blocks of `block_tokens` tokens.
 
     `root` commits to the model and salt; `chain[i]` commits to the first i·C tokens. The key of
     any prefix length p extends `chain[p // C]` with the remaining p mod C tokens, so prefixes
     of every length have keys, while computing all of them costs one pass over the tokens.
     """
 
-    def __init__(self, fingerprint: str, salt: str = "", chunk_tokens: int = 64) -> None:
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be positive")
+    def __init__(self, fingerprint: str, salt: str = "", block_tokens: int = 64) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be positive")
         self.fingerprint = fingerprint
         self.salt = salt
-        self.chunk_tokens = chunk_tokens
-        self.root = _sha(b"hybridkv-prefix", bytes.fromhex(fingerprint), salt.encode(), str(chunk_tokens).encode())
+        self.block_tokens = block_tokens
+        self.root = _sha(b"hybridkv-prefix", bytes.fromhex(fingerprint), salt.encode(), str(block_tokens).encode())
 
     def chain(self, tokens) -> list[bytes]:
-        """chain[i] = key of the first i·C tokens, for every full chunk (chain[0] is the root)."""
+        """chain[i] = key of the first i·C tokens, for every full block (chain[0] is the root)."""
         data = token_bytes(tokens)
-        step = self.chunk_tokens * 8
+        step = self.block_tokens * 8
         keys = [self.root]
+        # b"chunk" and b"partial" are fixed tags hashed into every stored key: changing them orphans stores.
         for start in range(0, len(data) - step + 1, step):
             keys.append(_sha(b"chunk", keys[-1], data[start : start + step]))
         return keys
 
     def extend(self, key: bytes, tokens) -> bytes:
-        """Key of the prefix `key` (a chunk boundary's) followed by `tokens`, at most one chunk."""
-        if not 0 < len(tokens) <= self.chunk_tokens:
-            raise ValueError(f"extend takes 1 to {self.chunk_tokens} tokens, not {len(tokens)}")
-        return _sha(b"chunk" if len(tokens) == self.chunk_tokens else b"partial", key, token_bytes(tokens))
+        """Key of the prefix `key` (a block boundary's) followed by `tokens`, at most one block."""
+        if not 0 < len(tokens) <= self.block_tokens:
+            raise ValueError(f"extend takes 1 to {self.block_tokens} tokens, not {len(tokens)}")
+        return _sha(b"chunk" if len(tokens) == self.block_tokens else b"partial", key, token_bytes(tokens))
 
     def prefix(self, tokens, length: int, chain: list[bytes] | None = None) -> bytes:
         """Key of tokens[:length]."""
         chain = chain if chain is not None else self.chain(tokens[:length])
-        full = length // self.chunk_tokens
-        rest = tokens[full * self.chunk_tokens : length]
+        full = length // self.block_tokens
+        rest = tokens[full * self.block_tokens : length]
         return chain[full] if not len(rest) else self.extend(chain[full], rest)
 
     def chunk(self, tokens) -> bytes:
@@ -189,7 +190,7 @@ class PrefixKeys:
         return _sha(b"hybridkv-chunk", bytes.fromhex(self.fingerprint), self.salt.encode(), token_bytes(tokens))
 
 
-def kv_chunk_key(chain_key: bytes, first_token: int) -> str:
+def variant_slot_key(chain_key: bytes, first_token: int) -> str:
     """Where the list of blocks stored after prefix `chain_key` that start with `first_token` lives
     (`hybridkv.cache.variants`): keyed by what a reader already knows — the exact prefix before
     the block and its first token — so a prompt that diverges *inside* a block still finds the

@@ -12,14 +12,14 @@ from hybridkv.models.decay import DecaySummary
 
 
 @dataclass(frozen=True)
-class Hit:
+class CachedMatch:
     """A cached prompt sharing the first `length` tokens of the new prompt."""
 
     cached: CachedPrompt
     length: int
 
     @classmethod
-    def miss(cls) -> Hit:
+    def miss(cls) -> CachedMatch:
         """No usable prefix: every method then recomputes the whole prompt."""
         return cls(CachedPrompt(torch.empty(0, dtype=torch.long), PromptKV({})), 0)
 
@@ -45,7 +45,7 @@ class PrefixCache:
         self._index.insert(cached.tokens.numpy(), entry_id)
         return entry_id
 
-    def lookup(self, prompt: torch.Tensor) -> Hit | None:
+    def lookup(self, prompt: torch.Tensor) -> CachedMatch | None:
         """The longest cached prefix of `prompt`, leaving at least one token to compute.
 
         The last prompt token is never taken from the cache: its logits are the answer.
@@ -53,4 +53,4 @@ class PrefixCache:
         entry_id, length = self._index.longest_match(prompt.reshape(-1)[:-1].numpy())
         if entry_id is None:
             return None
-        return Hit(self._entries[entry_id], length)
+        return CachedMatch(self._entries[entry_id], length)

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from hybridkv.cache.keys import PrefixKeys, kv_block_key, kv_chunk_key
+from hybridkv.cache.keys import PrefixKeys, kv_block_key, variant_slot_key
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.cache.variants import BlockVariants
 from hybridkv.errors import CorruptEntry
@@ -68,13 +68,13 @@ class PrefixWalk:
         self.variants = BlockVariants(self.store, self.fingerprint, self.variants_kind)
 
     def list_block(self, prefix: bytes, tokens: list[int]) -> None:
-        """List a block just stored after `prefix` (a chunk boundary's chained key) in its slot, for
+        """List a block just stored after `prefix` (a block boundary's chained key) in its slot, for
         readers whose prompt diverges inside it."""
-        self.variants.add(kv_chunk_key(prefix, int(tokens[0])), tokens)
+        self.variants.add(variant_slot_key(prefix, int(tokens[0])), tokens)
 
     def match(self, keys: PrefixKeys, chain: list[bytes], wanted: np.ndarray, decode: Decode[Page]) -> Walk[Page]:
         """The longest stored prefix of `wanted` (int64 tokens), whose chain under `keys` is `chain`."""
-        size = keys.chunk_tokens
+        size = keys.block_tokens
         found: Walk[Page] = Walk()
         whole = [kv_block_key(chain[index + 1]) for index in range(len(wanted) // size)]
         for index, (key, entry) in enumerate(self._entries(whole)):
@@ -87,7 +87,7 @@ class PrefixWalk:
         start = index * size
         if found.length == start < len(wanted):
             ahead = wanted[start : start + size]
-            best = self.variants.best(kv_chunk_key(chain[index], int(ahead[0])), ahead)
+            best = self.variants.best(variant_slot_key(chain[index], int(ahead[0])), ahead)
             if best is not None:
                 key = kv_block_key(keys.extend(chain[index], best))
                 _, entry = next(self._entries([key]))

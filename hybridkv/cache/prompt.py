@@ -31,7 +31,7 @@ class CachedPrompt:
     attention: PromptKV
     checkpoints: dict[int, LinearStates] = field(default_factory=dict)  # position -> states
     checkpoint_interval: int | None = None
-    decay: DecaySummary | None = None  # how fast each linear layer forgot over each chunk (adaptive-replay)
+    decay: DecaySummary | None = None  # how fast each linear layer forgot over each span (adaptive-replay)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -60,7 +60,7 @@ class CachedPrompt:
 def capture_prompt(model: HybridModel, tokens: torch.Tensor, checkpoint_interval: int | None = None) -> CachedPrompt:
     """Prefill `tokens` and keep what an engine would cache.
 
-    With a checkpoint interval B the prompt is prefilled in B-token chunks (as an engine with
+    With a checkpoint interval B the prompt is prefilled in B-token pieces (as an engine with
     block-aligned state checkpoints does) and every linear state is copied at each multiple of
     B inside the prompt. Without one it is a single pass and no state is kept.
     """

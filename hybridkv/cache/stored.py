@@ -1,12 +1,12 @@
 """A prefix cache whose bytes live in a store, shared by every process that opens the same URL.
 
-Writing a cached prompt puts one entry per C-token chunk of attention KV (with the chunk's tokens
-and its rows of the linear layers' decay summary), keyed by the prompt through the chunk's last
-token, and one per linear-state checkpoint. Looking a prompt up walks its chunks through the store
-(`hybridkv.cache.prefix_walk`): the chunks it holds whole are found by their keys; the chunk where
+Writing a cached prompt puts one entry per C-token block of attention KV (with the block's tokens
+and its rows of the linear layers' decay summary), keyed by the prompt through the block's last
+token, and one per linear-state checkpoint. Looking a prompt up walks its blocks through the store
+(`hybridkv.cache.prefix_walk`): the blocks it holds whole are found by their keys; the block where
 it diverges from every stored prompt is the listed one after the same prefix sharing the most
 tokens with it (`hybridkv.cache.variants`), so prompts that share a start and then differ inside a
-chunk each keep theirs. Stored tokens are always compared with the prompt's, and the walk stops at
+block each keep theirs. Stored tokens are always compared with the prompt's, and the walk stops at
 the first differing token — a token-level match that needs no shared index. Anything missing,
 unreadable or failing verification ends the walk there: the hit gets shorter and the rest is
 recomputed.
@@ -19,25 +19,25 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_block_key, model_fingerprint, state_key
-from hybridkv.cache.prefix_cache import Hit
+from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
 from hybridkv.errors import CorruptEntry
-from hybridkv.models.decay import DECAY_CHUNK, DecaySummary
+from hybridkv.models.decay import DECAY_SPAN, DecaySummary
 from hybridkv.models.kv import LayerKV
 from hybridkv.models.loader import HybridModel
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
-DEFAULT_CHUNK_TOKENS = 64
+DEFAULT_BLOCK_TOKENS = 64
 
 
 @dataclass
-class _Chunk:
-    """What a stored chunk holds besides its tokens."""
+class _Block:
+    """What a stored block holds besides its tokens."""
 
     kv: PromptKV  # attention KV
-    decay: tuple[torch.Tensor, int] | None  # its rows of the decay summary and their chunk size, if written
+    decay: tuple[torch.Tensor, int] | None  # its rows of the decay summary and their span size, if written
 
 
 class StoredPrefixCache:
@@ -46,42 +46,42 @@ class StoredPrefixCache:
         model: HybridModel,
         store: GuardedStore,
         salt: str = "",
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         checkpoint_interval: int | None = None,
         fingerprint: str | None = None,
     ) -> None:
         self.model = model
         self.store = store
         self.fingerprint = fingerprint or model_fingerprint(model)
-        self.keys = PrefixKeys(self.fingerprint, salt, chunk_tokens)
+        self.keys = PrefixKeys(self.fingerprint, salt, block_tokens)
         self.checkpoint_interval = checkpoint_interval
         self._dims = {index: model.description.token_tensors(index) for index in model.description.attention_layers}
         self._walk = PrefixWalk(store, self.fingerprint, "kv", "kv-variants")
 
-    def chunk_key(self, tokens, index: int) -> str:
-        """Where chunk `index` of the prompt `tokens` is stored: the key of the prompt through its last token."""
-        end = min((index + 1) * self.keys.chunk_tokens, len(tokens))
+    def block_key(self, tokens, index: int) -> str:
+        """Where block `index` of the prompt `tokens` is stored: the key of the prompt through its last token."""
+        end = min((index + 1) * self.keys.block_tokens, len(tokens))
         return kv_block_key(self.keys.prefix(tokens, end))
 
     # -- writing -----------------------------------------------------------------------------
 
     def add(self, cached: CachedPrompt) -> int:
-        """Write a cached prompt's KV chunks and checkpoints; returns how many writes succeeded."""
+        """Write a cached prompt's KV blocks and checkpoints; returns how many writes succeeded."""
         tokens = cached.tokens
         chain = self.keys.chain(tokens)
-        size = self.keys.chunk_tokens
+        size = self.keys.block_tokens
         written = 0
         for index, start in enumerate(range(0, len(tokens), size)):
             end = min(start + size, len(tokens))
             key = kv_block_key(self.keys.prefix(tokens, end, chain))
-            chunk = cached.attention.narrow(start, end)
-            tensors = {f"{layer}.{name}": tensor for layer, kv in chunk.items() for name, tensor in kv.tensors.items()}
+            block = cached.attention.narrow(start, end)
+            tensors = {f"{layer}.{name}": tensor for layer, kv in block.items() for name, tensor in kv.tensors.items()}
             meta = {"start": start, "tokens": tokens[start:end].tolist()}
             if cached.decay is not None:
-                # Each summary row rides along with the chunk holding its last token, so the rows of
-                # consecutive chunks concatenate in order whatever the chunk size.
-                tensors["decay"] = cached.decay.log_decay[start // cached.decay.chunk : end // cached.decay.chunk]
-                meta["decay_chunk"] = cached.decay.chunk
+                # Each summary row rides along with the block holding its last token, so the rows of
+                # consecutive blocks concatenate in order whatever the block size.
+                tensors["decay"] = cached.decay.log_decay[start // cached.decay.span : end // cached.decay.span]
+                meta["decay_chunk"] = cached.decay.span
             if self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors))):
                 written += 1
                 self._walk.list_block(chain[index], tokens[start:end].tolist())
@@ -98,11 +98,11 @@ class StoredPrefixCache:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def _kv_chunk(self, key: str, entry: Entry, start: int) -> tuple[list[int], _Chunk]:
-        """The tokens and pages of the chunk stored under `key` at `start` (`PrefixWalk`'s decode)."""
+    def _kv_block(self, key: str, entry: Entry, start: int) -> tuple[list[int], _Block]:
+        """The tokens and pages of the block stored under `key` at `start` (`PrefixWalk`'s decode)."""
         tokens = entry.meta.get("tokens")
-        # Entries written before the summary's chunk size was recorded all used DECAY_CHUNK.
-        decay, decay_chunk = entry.tensors.get("decay"), entry.meta.get("decay_chunk", DECAY_CHUNK)
+        # Entries written before the summary's span size was recorded all used DECAY_SPAN.
+        decay, decay_span = entry.tensors.get("decay"), entry.meta.get("decay_chunk", DECAY_SPAN)
         try:
             layers = {
                 layer: {name: entry.tensors[f"{layer}.{name}"] for name in dims} for layer, dims in self._dims.items()
@@ -120,18 +120,18 @@ class StoredPrefixCache:
             consistent = consistent and (
                 decay is None
                 or (
-                    isinstance(decay_chunk, int)
-                    and decay_chunk > 0
+                    isinstance(decay_span, int)
+                    and decay_span > 0
                     and decay.dim() == 3
-                    and decay.shape[0] == (start + len(tokens)) // decay_chunk - start // decay_chunk
+                    and decay.shape[0] == (start + len(tokens)) // decay_span - start // decay_span
                     and decay.shape[1] == len(self.model.description.linear_layers)
                 )
             )
         except KeyError:
             consistent = False
         if not consistent:
-            raise CorruptEntry("tensors do not match this model's attention layout or the chunk's tokens")
-        return tokens, _Chunk(kv, (decay, decay_chunk) if decay is not None else None)
+            raise CorruptEntry("tensors do not match this model's attention layout or the block's tokens")
+        return tokens, _Block(kv, (decay, decay_span) if decay is not None else None)
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
         key = state_key(self.keys.prefix(prompt, position, chain))
@@ -158,12 +158,12 @@ class StoredPrefixCache:
             return None
         return states
 
-    def lookup(self, prompt: torch.Tensor) -> Hit | None:
+    def lookup(self, prompt: torch.Tensor) -> CachedMatch | None:
         """The longest stored prefix of `prompt` (never its last token), with the checkpoint at or before it."""
         prompt = prompt.reshape(-1)
         limit = prompt.numel() - 1
         chain = self.keys.chain(prompt[:limit])
-        found = self._walk.match(self.keys, chain, prompt[:limit].numpy(), self._kv_chunk)
+        found = self._walk.match(self.keys, chain, prompt[:limit].numpy(), self._kv_block)
         matched = found.length
         if matched == 0:
             return None
@@ -175,8 +175,8 @@ class StoredPrefixCache:
             if states is not None:
                 checkpoints[position] = states
         tokens = torch.tensor([t for block in found.blocks for t in block.tokens], dtype=torch.long)
-        chunk_decay = [block.page.decay for block in found.blocks]
-        decay = None  # chunks written without a summary (an architecture without a gate probe) give none
-        if all(d is not None for d in chunk_decay) and len({size for _, size in chunk_decay}) == 1:
-            decay = DecaySummary(torch.cat([rows for rows, _ in chunk_decay]), chunk_decay[0][1])
-        return Hit(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)
+        block_decay = [block.page.decay for block in found.blocks]
+        decay = None  # blocks written without a summary (an architecture without a gate probe) give none
+        if all(d is not None for d in block_decay) and len({size for _, size in block_decay}) == 1:
+            decay = DecaySummary(torch.cat([rows for rows, _ in block_decay]), block_decay[0][1])
+        return CachedMatch(CachedPrompt(tokens, attention, checkpoints, self.checkpoint_interval, decay), matched)

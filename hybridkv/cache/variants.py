@@ -4,7 +4,7 @@ A block of KV is stored under the key of its prompt through the block's last tok
 (`kv_block_key`), so prompts that share a start and diverge inside a block keep a block each (a
 RAG header followed by different passages, a system prompt followed by different user turns). A
 reader finds the blocks its prompt holds whole by key. The block where its match ends it cannot
-name: each (prefix before a block, first token) slot (`kv_chunk_key`) lists the token runs of the
+name: each (prefix before a block, first token) slot (`variant_slot_key`) lists the token runs of the
 last `MAX_VARIANTS` blocks stored after it, newest first, and the reader takes the one sharing the
 most tokens with its prompt.
 

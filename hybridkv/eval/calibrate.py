@@ -50,16 +50,16 @@ class CalibrateConfig:
 
 
 def shortest_tails(summary: DecaySummary, tolerance: float) -> list[list[float]]:
-    """Per linear layer, the shortest tail below `tolerance` at every chunk-aligned end in the
+    """Per linear layer, the shortest tail below `tolerance` at every span-aligned end in the
     prompt's second half (math.inf where the whole history before the end does not reach it)."""
-    chunk = summary.chunk
-    ends = range((summary.chunks // 2) * chunk, summary.chunks * chunk + 1, chunk)
+    span = summary.span
+    ends = range((summary.spans // 2) * span, summary.spans * span + 1, span)
     per_layer = []
     for layer in range(summary.log_decay.shape[1]):
-        one = DecaySummary(summary.log_decay[:, layer : layer + 1], chunk)
+        one = DecaySummary(summary.log_decay[:, layer : layer + 1], span)
         tails = []
         for end in ends:
-            tail, bound = one.shortest_tail(end, tolerance, end - chunk)  # a tail from 0 drops nothing
+            tail, bound = one.shortest_tail(end, tolerance, end - span)  # a tail from 0 drops nothing
             tails.append(float(tail) if bound < tolerance else math.inf)
         per_layer.append(tails)
     return per_layer

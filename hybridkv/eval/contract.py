@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridkv.cache import CHECKPOINT_INTERVAL, CachedPrompt, Hit, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, CachedMatch, CachedPrompt, capture_prompt
 from hybridkv.cache.chunks import EncodedChunk, encode_chunk
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
@@ -149,7 +149,7 @@ class RecoveryArenaMethod:
         self.fingerprint = model_fingerprint(self.builder) if config.captures is not None else None
 
     def build_cache(self, source: list[int]) -> Built:
-        if self.name == "full":  # full prefill reuses nothing: keep the tokens, build no KV
+        if not self.recovery.reuses_kv:  # a method reusing no KV needs none built: keep the tokens
             return Built(CachedPrompt(torch.tensor(source, dtype=torch.long), {}), 0.0)
         interval = self.config.checkpoint_interval if self.recovery.uses_checkpoints else None
         if self.config.captures is not None:
@@ -163,7 +163,7 @@ class RecoveryArenaMethod:
         prompt = torch.cat(
             [cached.tokens, *(other.tokens for other in others), torch.tensor(question, dtype=torch.long)]
         )
-        hit = Hit(cached, len(cached))
+        hit = CachedMatch(cached, len(cached))
         start = time.perf_counter()
         outcome = execute(self.model, prompt, hit, self.recovery.recipe(hit, self.budget), logits_to_keep=1)
         ttft = time.perf_counter() - start
@@ -179,7 +179,7 @@ class RecoveryArenaMethod:
             replayed_tokens=outcome.replayed_tokens,
             recomputed_tokens=outcome.recomputed_tokens,
             recomputed_layer_tokens=forwarded * self.model.description.num_layers,
-            kv_bytes=0 if self.name == "full" else cached.kv_bytes(),
+            kv_bytes=cached.kv_bytes() if self.recovery.reuses_kv else 0,
             state_bytes=cached.state_bytes() if self.recovery.uses_checkpoints else 0,
         )
 
@@ -257,7 +257,7 @@ class ChunkedArenaMethod:
             recomputed_layer_tokens=outcome.recomputed_tokens * self.model.description.num_layers
             + outcome.selection_layer_tokens,
             kv_bytes=sum(part["attention_kv"] for part in parts),
-            state_bytes=0 if self.linear.name == "zero" else sum(part[k] for part in parts for k in state_parts),
+            state_bytes=sum(part[k] for part in parts for k in state_parts) if self.linear.stores_states else 0,
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hybridkv.errors import HybridKVError
-from hybridkv.methods import METHODS, Budget, StoredMatch
+from hybridkv.methods import METHODS, Budget, PositionsMatch
 from hybridkv.models.arch import cache_sizes, cost_model
 from hybridkv.models.cost import H200
 
@@ -104,13 +104,13 @@ def make_plan(model: str, workload: Workload = Workload()) -> Plan:
         prompt = length + workload.suffix_tokens
         # Where each scheme starts recomputing: the methods' own recipes, on a match of the whole
         # prefix with checkpoints where the scheme would have stored them.
-        plain = StoredMatch(length)
+        plain = PositionsMatch(length)
         starts: list[tuple[str, str | None, int]] = [
             ("full", None, METHODS["full"].recipe(plain, None).state_position),
             ("zero-state", None, METHODS["zero-state"].recipe(plain, None).state_position),
         ]
         for b in workload.intervals:
-            grid = StoredMatch(length, tuple(range(b, length + 1, b)))
+            grid = PositionsMatch(length, tuple(range(b, length + 1, b)))
             starts.append((f"checkpoint-every-{b}", None, METHODS["checkpoint"].recipe(grid, None).state_position))
         for text in workload.budgets:
             recipe = METHODS["tail-replay"].recipe(plain, Budget.parse(text))

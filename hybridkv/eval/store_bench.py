@@ -1,6 +1,6 @@
 """Store throughput and latency for entry sizes GLM-5.3-Flash really produces (a benchmark, not a test).
 
-Entry sizes come from GLM-5.3-Flash's config (`hybridkv.models.arch.glm5_next`): a 256-token chunk of
+Entry sizes come from GLM-5.3-Flash's config (`hybridkv.models.arch.glm5_next`): a 256-token block of
 attention KV across its 11 MLA/DSA layers, one KDA layer's state, and one whole state
 checkpoint (all 34 KDA layers). Each backend does `repeats` puts then `repeats` gets of distinct
 random payloads, one request at a time; the hybridkv codec (header + SHA-256) is timed apart, and

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from hybridkv.cache import CHECKPOINT_INTERVAL, Hit, PrefixCache, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, CachedMatch, PrefixCache, capture_prompt
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
@@ -158,7 +158,7 @@ def validate_prefix(
     build_s = time.perf_counter() - started
     prefix_cache = stored if stored is not None else PrefixCache()
     prefix_cache.add(cached)
-    hit = prefix_cache.lookup(prompt) or Hit.miss()
+    hit = prefix_cache.lookup(prompt) or CachedMatch.miss()
     if stored is None:
         assert hit.length == prefix_length, "workload prompts must share exactly L tokens"
     tick("cache built")
@@ -208,7 +208,7 @@ def validate_prefix(
                 "greedy_agreement": greedy_agreement(reference_greedy, greedy),
                 **split_noise,
                 "state_bytes": cached.state_bytes() if method.uses_checkpoints else 0,
-                "kv_bytes": 0 if method.name == "full" else cached.kv_bytes(),
+                "kv_bytes": cached.kv_bytes() if method.reuses_kv else 0,
                 "cache_build_s": build_s,
             }
         )

@@ -1,7 +1,7 @@
 """adaptive-replay (ours): tail-replay whose tail is as short as the gates allow.
 
 A fixed budget replays 5% of the prefix whether the linear layers forget in 50 tokens or in
-5,000. When the prompt was cached, its linear layers' per-chunk log-decays were summarised
+5,000. When the prompt was cached, its linear layers' per-span log-decays were summarised
 (`hybridkv.models.decay`); on a hit, pick the shortest tail whose bound on the dropped state's
 contribution — the product of the slowest channel's decays over the tail, worst layer and
 head — is below the tolerance ε, never longer than the budget. If even the budget's tail
@@ -27,6 +27,7 @@ class AdaptiveReplay:
     name: str = "adaptive-replay"
     uses_budget: bool = True
     uses_checkpoints: bool = False
+    reuses_kv: bool = True
     tolerance: float = DEFAULT_TOLERANCE
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from hybridkv.cache import Hit, LinearStates, PromptKV, assemble_cache
+from hybridkv.cache import CachedMatch, LinearStates, PromptKV, assemble_cache
 from hybridkv.errors import HybridKVError
 from hybridkv.models import HybridModel
 from hybridkv.models.adapter import exact_kv_for_first_tokens
@@ -88,7 +88,7 @@ class Recipe:
 class Match(Protocol):
     """What a recipe may know of a hit: how long it is, where exact states are stored, how the gates decayed.
 
-    A `Hit` on cached prompts is one; so is a `StoredMatch`, which the vLLM block store and the
+    A `CachedMatch` on cached prompts is one; so is a `PositionsMatch`, which the vLLM block store and the
     planner build from block metadata or arithmetic alone: a method decides from these, never
     from tensors.
     """
@@ -103,7 +103,7 @@ class Match(Protocol):
 
 
 @dataclass(frozen=True)
-class StoredMatch:
+class PositionsMatch:
     """A match known by its length and checkpoint positions only."""
 
     length: int
@@ -115,9 +115,12 @@ class StoredMatch:
 
 
 class RecoveryMethod(Protocol):
+    """A recovery method: its name is for display and keys; what it does is declared by its flags."""
+
     name: str
-    uses_budget: bool
-    uses_checkpoints: bool
+    uses_budget: bool  # its recipe depends on the replay budget
+    uses_checkpoints: bool  # its recipe reads stored linear-state checkpoints
+    reuses_kv: bool  # its recipe loads cached attention KV (False: the whole prompt is recomputed)
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe: ...
 
@@ -131,7 +134,7 @@ class Outcome:
     recomputed_tokens: int  # prompt tokens whose attention KV was computed here
 
 
-def dropped_state_bound(hit: Hit | None, recipe: Recipe) -> float | None:
+def dropped_state_bound(hit: CachedMatch | None, recipe: Recipe) -> float | None:
     """Bound on how much of the linear states lost by `recipe` can still be present at the hit.
 
     0 when the states are exact (seeded from a checkpoint, or started at position 0); otherwise
@@ -145,7 +148,7 @@ def dropped_state_bound(hit: Hit | None, recipe: Recipe) -> float | None:
     return hit.cached.decay.bound(recipe.state_position, hit.length)
 
 
-def check_hit(prompt: torch.Tensor, hit: Hit | None) -> None:
+def check_hit(prompt: torch.Tensor, hit: CachedMatch | None) -> None:
     if hit is None:
         return
     if hit.length >= prompt.numel():
@@ -171,7 +174,7 @@ class ResumePieces:
 
 
 def resume_pieces(
-    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int
+    model: HybridModel, prompt: torch.Tensor, hit: CachedMatch | None, recipe: Recipe, logits_to_keep: int
 ) -> ResumePieces:
     """Check `recipe` against `prompt` and `hit`, and take the cached pieces it needs (views, no copies)."""
     check_hit(prompt, hit)
@@ -194,7 +197,7 @@ def resume_pieces(
 
 
 def outcome(
-    prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits: torch.Tensor, cache: DynamicCache
+    prompt: torch.Tensor, hit: CachedMatch | None, recipe: Recipe, logits: torch.Tensor, cache: DynamicCache
 ) -> Outcome:
     return Outcome(
         logits=logits,
@@ -206,7 +209,7 @@ def outcome(
 
 
 def execute(
-    model: HybridModel, prompt: torch.Tensor, hit: Hit | None, recipe: Recipe, logits_to_keep: int = 1
+    model: HybridModel, prompt: torch.Tensor, hit: CachedMatch | None, recipe: Recipe, logits_to_keep: int = 1
 ) -> Outcome:
     """Resume `prompt` from `hit` as `recipe` says and return the last positions' logits."""
     prompt = prompt.reshape(-1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.cache import Hit, assemble_batch, split_batch
+from hybridkv.cache import CachedMatch, assemble_batch, split_batch
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.base import Outcome, Recipe, outcome, resume_pieces
 from hybridkv.models import HybridModel
@@ -19,7 +19,11 @@ from hybridkv.models.adapter import exact_kv_for_first_tokens
 
 
 def execute_batch(
-    model: HybridModel, prompts: list[torch.Tensor], hits: list[Hit], recipes: list[Recipe], logits_to_keep: int = 1
+    model: HybridModel,
+    prompts: list[torch.Tensor],
+    hits: list[CachedMatch],
+    recipes: list[Recipe],
+    logits_to_keep: int = 1,
 ) -> list[Outcome]:
     """`execute` for each (prompt, hit, recipe), in one forward; outcomes in the same order."""
     if not len(prompts) == len(hits) == len(recipes) >= 1:

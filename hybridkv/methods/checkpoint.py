@@ -14,6 +14,7 @@ class Checkpoint:
     name: str = "checkpoint"
     uses_budget: bool = False
     uses_checkpoints: bool = True
+    reuses_kv: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         position = hit.checkpoint_at_or_before(hit.length)

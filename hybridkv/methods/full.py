@@ -10,6 +10,7 @@ class Full:
     name: str = "full"
     uses_budget: bool = False
     uses_checkpoints: bool = False
+    reuses_kv: bool = False
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         return Recipe(exact_kv_tokens=0, state_position=0)

@@ -15,6 +15,7 @@ class SeededReplay:
     name: str = "seeded-replay"
     uses_budget: bool = True
     uses_checkpoints: bool = True
+    reuses_kv: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         window_start = hit.length - budget.tail_tokens(hit.length)

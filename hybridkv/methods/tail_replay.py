@@ -17,6 +17,7 @@ class TailReplay:
     name: str = "tail-replay"
     uses_budget: bool = True
     uses_checkpoints: bool = False
+    reuses_kv: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         tail = budget.tail_tokens(hit.length)

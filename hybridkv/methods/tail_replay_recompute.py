@@ -16,6 +16,7 @@ class TailReplayRecompute:
     name: str = "tail-replay-recompute"
     uses_budget: bool = True
     uses_checkpoints: bool = False
+    reuses_kv: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         start = hit.length - budget.tail_tokens(hit.length)

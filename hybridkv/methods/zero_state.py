@@ -10,6 +10,7 @@ class ZeroState:
     name: str = "zero-state"
     uses_budget: bool = False
     uses_checkpoints: bool = False
+    reuses_kv: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         return Recipe(exact_kv_tokens=hit.length, state_position=hit.length)

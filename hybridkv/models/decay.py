@@ -13,7 +13,7 @@ Mamba-2's S_t = exp(Δ_t A) S_{t−1} + … decays a head's whole state by exp(�
 with log α_t = Δ_t A, and there it is an equality.
 That relative bound, maximised over layers and heads, is what adaptive-replay keeps below ε.
 
-At capture time we add up max_c log α_t,c over each `DECAY_CHUNK`-token chunk (absolute chunk
+At capture time we add up max_c log α_t,c over each `DECAY_SPAN`-token span (absolute span
 positions), per linear layer and head: a few KB per prompt, next to megabytes of KV.
 The gates come from the model's own modules through forward hooks; each architecture's module
 (`hybridkv.models.arch`) says which module to hook (`hybridkv.models.gates` reads it).
@@ -31,33 +31,37 @@ import torch
 from hybridkv.models.arch import architecture_for
 from hybridkv.models.loader import HybridModel
 
-DECAY_CHUNK = 64  # tokens per summary row; a multiple of it is the stored KV chunk size
+DECAY_SPAN = 64  # tokens per summary row; a multiple of it is the stored KV block size
 
 
 @dataclass(frozen=True)
 class DecaySummary:
-    """Per chunk c (tokens [c·C, (c+1)·C)): Σ over its tokens of max_c log α, per linear layer and head."""
+    """Per span c (tokens [c·S, (c+1)·S)): Σ over its tokens of max_c log α, per linear layer and head.
 
-    log_decay: torch.Tensor  # float32 [chunks, linear layers, heads], every entry ≤ 0
-    chunk: int = DECAY_CHUNK
+    A span is one row of the summary: `span` consecutive tokens at absolute positions, the
+    granularity at which forgetting is recorded; `spans` is how many rows there are.
+    """
+
+    log_decay: torch.Tensor  # float32 [spans, linear layers, heads], every entry ≤ 0
+    span: int = DECAY_SPAN
 
     def __post_init__(self) -> None:
         if self.log_decay.dim() != 3:
-            raise ValueError(f"decay summary must be [chunks, layers, heads], got {tuple(self.log_decay.shape)}")
+            raise ValueError(f"decay summary must be [spans, layers, heads], got {tuple(self.log_decay.shape)}")
 
     @property
-    def chunks(self) -> int:
+    def spans(self) -> int:
         return self.log_decay.shape[0]
 
     def bound(self, start: int, end: int) -> float:
         """Upper bound on ‖error at end‖ / ‖state at start‖ when the state at `start` is replaced by zero.
 
-        Only chunks wholly inside [start, end) count (a partial chunk might forget less), so the
+        Only spans wholly inside [start, end) count (a partial span might forget less), so the
         bound is conservative; 0 when start is 0 (nothing is dropped).
         """
         if start == 0:
             return 0.0
-        first, last = -(-start // self.chunk), min(end // self.chunk, self.chunks)
+        first, last = -(-start // self.span), min(end // self.span, self.spans)
         if last <= first:
             return 1.0
         per_head = self.log_decay[first:last].sum(0)  # [layers, heads]
@@ -66,10 +70,10 @@ class DecaySummary:
     def shortest_tail(self, end: int, tolerance: float, longest: int) -> tuple[int, float]:
         """The shortest replay tail t ≤ `longest` ending at `end` whose bound is below `tolerance`.
 
-        Tails start on chunk boundaries. If none within `longest` qualifies, returns `longest`
+        Tails start on span boundaries. If none within `longest` qualifies, returns `longest`
         with its own bound: the caller's budget caps the work, and the bound says what it buys.
         """
-        for start in range(end // self.chunk * self.chunk, end - longest - 1, -self.chunk):
+        for start in range(end // self.span * self.span, end - longest - 1, -self.span):
             bound = self.bound(start, end)
             if bound < tolerance:
                 return end - start, bound
@@ -101,10 +105,10 @@ def record_decay(model: HybridModel) -> Iterator[list[list[torch.Tensor]] | None
             handle.remove()
 
 
-def summarise(recorded: list[list[torch.Tensor]], chunk: int = DECAY_CHUNK) -> DecaySummary:
-    """Sum the recorded per-token worst log-decays over whole chunks."""
+def summarise(recorded: list[list[torch.Tensor]], span: int = DECAY_SPAN) -> DecaySummary:
+    """Sum the recorded per-token worst log-decays over whole spans."""
     per_layer = [torch.cat(parts) for parts in recorded]  # each [T, H]
     tokens = per_layer[0].shape[0]
-    whole = tokens // chunk * chunk
+    whole = tokens // span * span
     stacked = torch.stack([values[:whole] for values in per_layer], dim=1)  # [T', layers, H]
-    return DecaySummary(stacked.view(whole // chunk, chunk, *stacked.shape[1:]).sum(1).contiguous(), chunk)
+    return DecaySummary(stacked.view(whole // span, span, *stacked.shape[1:]).sum(1).contiguous(), span)

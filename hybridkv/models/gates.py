@@ -71,7 +71,7 @@ def gdn_probe(layer: nn.Module) -> tuple[nn.Module, Probe] | None:
 
 
 def short_conv_probe(path: str):
-    """Short-convolution layers (LFM2) keep only their last K − 1 inputs: any whole chunk of tokens
+    """Short-convolution layers (LFM2) keep only their last K − 1 inputs: any whole span of tokens
     replaces the window entirely, so each token's log-decay is −∞ (one "head"). `path` names the
     layer's input projection ([B, T, ...], called once per forward)."""
 

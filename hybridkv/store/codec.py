@@ -38,7 +38,7 @@ class Entry:
 
 
 def encode(entry: Entry) -> bytes:
-    specs, chunks, offset = [], [], 0
+    specs, pieces, offset = [], [], 0
     for name, tensor in entry.tensors.items():
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
@@ -47,13 +47,13 @@ def encode(entry: Entry) -> bytes:
         dense = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach().cpu())
         raw = dense.reshape(-1).view(torch.uint8).numpy().tobytes()
         specs.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": len(raw)})
-        chunks.append(raw)
+        pieces.append(raw)
         offset += len(raw)
     header = json.dumps(
         {"kind": entry.kind, "fingerprint": entry.fingerprint, "key": entry.key, "meta": entry.meta, "tensors": specs},
         separators=(",", ":"),
     ).encode()
-    body = b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *chunks])
+    body = b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *pieces])
     return body + hashlib.sha256(body).digest()
 
 

@@ -2,7 +2,7 @@
 
 Every backend failure — down, timed out, full — becomes a miss (for reads) or a dropped write,
 is counted, and is logged once per kind of failure. After a failure the backend is left alone
-for `retry_after_s`, so a dead server costs one timeout, not one per chunk of every request.
+for `retry_after_s`, so a dead server costs one timeout, not one per block of every request.
 The caller then recomputes: a failing store costs time, never correctness.
 """
 

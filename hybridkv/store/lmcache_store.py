@@ -9,7 +9,7 @@ backends, addressed by LMCache `CacheEngineKey`s whose chunk hash is our SHA-256
     lmcache://valkey://host:port               a Valkey/Redis server through LMCache's worker pool
 
 Why not `LMCacheEngine`: it stores token chunks of one fixed KV shape; hybridkv's entries are
-variable-sized (KV chunks, state checkpoints), so we use the backends beneath it, staging each
+variable-sized (KV blocks, state checkpoints), so we use the backends beneath it, staging each
 entry in a uint8 buffer from LMCache's CPU allocator. Known limits of LMCache 0.5.6 that show
 here: its lm:// protocol has no delete (a corrupted entry is skipped on every read instead of
 removed) and its client does not reconnect (we reopen after a failure); its Valkey connector

@@ -26,7 +26,7 @@ import torch
 from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, state_key
 from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.errors import CorruptEntry
-from hybridkv.methods import Budget, StoredMatch
+from hybridkv.methods import Budget, PositionsMatch
 from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
@@ -36,7 +36,7 @@ Layout = dict[str, int | None]  # layer name -> its page's bytes (None: not know
 
 
 @dataclass
-class BlockMatch:
+class PageMatch:
     """The longest stored prefix of a prompt, block by block."""
 
     length: int = 0  # tokens matched, at token granularity
@@ -46,7 +46,7 @@ class BlockMatch:
 
 
 @dataclass
-class Resume:
+class ResumePlan:
     """Where vLLM resumes a prompt: KV of [0, start) is loaded; linear states are `states` at
     `start` (an exact checkpoint) or zero (None), and vLLM prefills [start, end) itself."""
 
@@ -131,7 +131,7 @@ class BlockStore:
     def _read(self, key: str, kind: str) -> Entry | None:
         return self.store.read_entry(key, kind, self.fingerprint)
 
-    def match(self, tokens: list[int], layout: Layout, salt: str | None = None) -> BlockMatch:
+    def match(self, tokens: list[int], layout: Layout, salt: str | None = None) -> PageMatch:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
         `layout` maps each attention layer to its block's byte size (None: any size, which the
         worker checks when it copies the page); entries that disagree are corrupt."""
@@ -146,7 +146,7 @@ class BlockStore:
 
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
         walk = self._walk.match(keys, keys.chain(tokens[:limit]), wanted, decode)
-        found = BlockMatch(walk.length)
+        found = PageMatch(walk.length)
         for block in walk.blocks:
             found.blocks.append(block.page.tensors)
             found.exact.append(block.page.meta.get("exact") is not False)
@@ -158,7 +158,7 @@ class BlockStore:
     def resume(
         self, tokens: list[int], layout: Layout, state_layout: Layout, budget: Budget,
         salt: str | None = None, horizon: int | None = None, alignment: int = 1,
-    ) -> Resume:  # fmt: skip
+    ) -> ResumePlan:  # fmt: skip
         """Everything needed to resume `tokens`: the match, the start, the pages to load. A
         `horizon` (the model's calibrated forgetting horizon, `hybridkv calibrate`) caps the
         budget's tail: the gates have forgotten the dropped state by then. The start is a multiple
@@ -170,7 +170,7 @@ class BlockStore:
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
         checkpoints = tuple(c for c in found.checkpoints if c % alignment == 0)
-        recipe = SeededReplay().recipe(StoredMatch(found.length, checkpoints), budget)
+        recipe = SeededReplay().recipe(PositionsMatch(found.length, checkpoints), budget)
         start, states, exact_states = recipe.state_position, None, False
         if recipe.state_seed:
             entry = self._read(self.state_key(tokens, start, salt), "vllm-state")
@@ -179,12 +179,12 @@ class BlockStore:
             else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
                 if entry is not None:
                     self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
-                start = SeededReplay().recipe(StoredMatch(found.length), budget).state_position
+                start = SeededReplay().recipe(PositionsMatch(found.length), budget).state_position
         if states is None:
             start -= start % alignment
         loaded = -(-start // self.block_size) if start else 0
         exact = start == 0 or (exact_states and all(found.exact[:loaded]))
-        return Resume(found.length, start, found.blocks[:loaded], states, exact)
+        return ResumePlan(found.length, start, found.blocks[:loaded], states, exact)
 
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.block_store import BlockStore, Resume
+from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
 from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
@@ -28,11 +28,11 @@ log = logging.getLogger("hybridkv.vllm")
 
 
 @dataclass
-class _Hit:  # scheduler-side record of a request's lookup, with its verified pages until loaded
+class _Lookup:  # scheduler-side record of a request's lookup, with its verified pages until loaded
     matched: int
     start: int
     exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
-    resume: Resume | None = None
+    resume: ResumePlan | None = None
 
 
 @dataclass
@@ -70,8 +70,8 @@ class SchedulerSide(ConnectorSide):
         # running request of a hybrid model), so they are made only where the lookup verified
         # every page's size and nothing is left for the worker to reject.
         self.sync_loads = None not in groups.page_bytes.values()
-        self._lookups: dict[str, Future[_Hit]] = {}
-        self._hits: dict[str, _Hit] = {}
+        self._lookups: dict[str, Future[_Lookup]] = {}
+        self._hits: dict[str, _Lookup] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
@@ -181,7 +181,7 @@ class SchedulerSide(ConnectorSide):
             for req_id in meta.saved:
                 self._sources.pop(req_id, None)
 
-    def _take_pages(self, hit: _Hit) -> Resume | None:
+    def _take_pages(self, hit: _Lookup) -> ResumePlan | None:
         """The hit's verified pages, which leave it (loaded, declined or dropped)."""
         resume, hit.resume = hit.resume, None
         if resume is not None:
@@ -189,12 +189,12 @@ class SchedulerSide(ConnectorSide):
             self._held_bytes -= resume.nbytes
         return resume
 
-    def _record_hit(self, hit: _Hit) -> None:
+    def _record_hit(self, hit: _Lookup) -> None:
         with self._stats_lock:
             self._stats.record_hit(hit.matched, hit.start, hit.exact_state)
 
     @timed("lookup_seconds")
-    def _look_up(self, request) -> _Hit:
+    def _look_up(self, request) -> _Lookup:
         """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
         try:
@@ -204,10 +204,10 @@ class SchedulerSide(ConnectorSide):
                 getattr(request, "cache_salt", None), self.config.replay_horizon, self.pool_alignment,
             )  # fmt: skip
             exact_state = resume.states is not None and resume.exact
-            return _Hit(resume.matched, resume.start, exact_state, resume if resume.start else None)
+            return _Lookup(resume.matched, resume.start, exact_state, resume if resume.start else None)
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
-            return _Hit(0, 0)
+            return _Lookup(0, 0)
 
     def _request_budget(self, request) -> Budget:
         budget = self.config.replay_budget

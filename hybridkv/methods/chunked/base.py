@@ -51,6 +51,7 @@ class AttentionPolicy(Protocol):
 class LinearPolicy(Protocol):
     name: str
     needs_maps: bool  # the chunks must be encoded with their composition maps
+    stores_states: bool  # the chunks' end states are kept and read (False: every chunk's states start from zero)
 
     def seam(self, chunk: EncodedChunk) -> int:
         """The first tokens of a chunk that must be recomputed for this policy (0: none)."""

@@ -23,6 +23,7 @@ from hybridkv.models.kv import LinearState, LinearStates
 class Compose:
     name: str = "compose"
     needs_maps: bool = True
+    stores_states: bool = True
 
     def seam(self, chunk: EncodedChunk) -> int:
         return chunk.seam

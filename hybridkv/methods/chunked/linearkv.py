@@ -41,6 +41,7 @@ def most_relevant(chunks: list[EncodedChunk], question: torch.Tensor) -> int:
 class LinearKV:
     relevant: bool = False
     needs_maps: bool = False
+    stores_states: bool = True
 
     @property
     def name(self) -> str:

@@ -17,6 +17,7 @@ from hybridkv.models.kv import LinearStates
 class Zero:
     name: str = "zero"
     needs_maps: bool = False
+    stores_states: bool = False
 
     def seam(self, chunk: EncodedChunk) -> int:
         return 0

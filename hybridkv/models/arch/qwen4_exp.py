@@ -10,7 +10,7 @@ What its cache holds beyond keys, values and GDN states, and how hybridkv keeps 
 - on PLE layers, conv slot 1 (the dilated short conv's window) and conv slot 2 (the last
   `ngram_size − 1` token ids, which start as end-of-sequence ids: `zero_state_fills`).
 Its GDN layers forget like Qwen3.5's; the PLE windows are replaced by any replay of at least
-(ple_conv_kernel_size − 1) · ngram_size tokens, far under one decay chunk.
+(ple_conv_kernel_size − 1) · ngram_size tokens, far under one decay span.
 """
 
 from transformers import PreTrainedConfig

@@ -2,7 +2,7 @@
 sliding window, and MoE.
 
 Each layer's state beside its KV is short: the causal convolution's window of q/k projections
-and the previous token's delayed value projection. A whole chunk of replayed tokens rebuilds
+and the previous token's delayed value projection. A whole span of replayed tokens rebuilds
 both exactly, so the probe tells adaptive-replay the state forgets everything per token. The
 sliding-window layers keep every token's KV in hybridkv's cache layer (`adapter._KeepsHistory`),
 since a resume at any L needs the window before L.
