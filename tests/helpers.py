@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.store.memory import MemoryStore
+
 
 def lcp(a, b) -> int:
     """Length of the longest common prefix of two sequences (the brute-force oracle)."""
@@ -105,3 +107,19 @@ def flip_one_weight_in_the_middle(weights: Path) -> str:
             weights.write_bytes(data)
             return name
     raise AssertionError(f"no floating-point tensor spans the middle of {weights}")
+
+
+class RoundTripStore(MemoryStore):
+    """A memory store that reads several keys at once, as redis's MGET does, counting round trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trips = 0
+
+    def get(self, key: str) -> bytes | None:
+        self.trips += 1
+        return super().get(key)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        self.trips += 1
+        return [MemoryStore.get(self, key) for key in keys]

@@ -14,26 +14,11 @@ from hybridkv.errors import CorruptEntry
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
+from tests.helpers import RoundTripStore
 
 BLOCK = 4
 FINGERPRINT = "ab" * 32
 KEYS = PrefixKeys(FINGERPRINT, "", BLOCK)
-
-
-class Batched(MemoryStore):
-    """A memory store with batched reads, counting round trips."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trips = 0
-
-    def get(self, key: str) -> bytes | None:
-        self.trips += 1
-        return super().get(key)
-
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        self.trips += 1
-        return [MemoryStore.get(self, key) for key in keys]
 
 
 def walker(inner: MemoryStore | None = None) -> PrefixWalk:
@@ -115,7 +100,7 @@ def test_an_entry_its_decode_rejects_is_reported_removed_and_ends_the_walk():
 def test_batched_reads_change_the_round_trips_never_the_match():
     rng = random.Random(0)
     for _ in range(40):
-        single, batched = walker(), walker(Batched())
+        single, batched = walker(), walker(RoundTripStore())
         base = [rng.randrange(1, 4) for _ in range(rng.randrange(1, 40))]
         prompts = [base[: rng.randrange(len(base) + 1)] + [rng.randrange(1, 4) for _ in range(10)] for _ in range(4)]
         # the same damage to both: one of the first prompt's blocks gone, another's checksum broken
@@ -137,7 +122,7 @@ def test_batched_reads_change_the_round_trips_never_the_match():
 
 
 def test_a_batched_backend_reads_1_2_4_then_read_batch_keys_per_round_trip():
-    inner = Batched()
+    inner = RoundTripStore()
     walk = walker(inner)
     prompt = list(range(1, 1 + 20 * BLOCK))
     save(walk, prompt)

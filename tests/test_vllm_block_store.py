@@ -14,6 +14,7 @@ from hybridkv.methods import Budget, PositionsMatch
 from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
+from tests.helpers import RoundTripStore
 
 BLOCK = 16
 LAYOUT = {"attn.0": 64, "attn.1": 64}
@@ -142,25 +143,9 @@ def test_pages_of_a_zero_state_replay_never_pass_for_an_exact_resume(blocks):
     assert zero.start > 0 and zero.states is None and not zero.exact
 
 
-class _RoundTrips(MemoryStore):
-    """A memory store that reads several keys at once, as redis's MGET does, counting round trips."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trips = 0
-
-    def get(self, key: str) -> bytes | None:
-        self.trips += 1
-        return super().get(key)
-
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        self.trips += 1
-        return [MemoryStore.get(self, key) for key in keys]
-
-
 def test_a_batched_backend_reads_the_same_match_in_fewer_round_trips_and_verifies_only_what_it_uses():
     prompt = list(range(3, 3 + 20 * BLOCK))  # 20 blocks
-    batched = BlockStore(GuardedStore(_RoundTrips()), "ab" * 32, BLOCK)
+    batched = BlockStore(GuardedStore(RoundTripStore()), "ab" * 32, BLOCK)
     single = BlockStore(GuardedStore(MemoryStore()), "ab" * 32, BLOCK)
     for store in (batched, single):
         store.save_blocks(prompt, 0, pages_for(prompt))
