@@ -23,6 +23,15 @@ from hybridkv.methods import Budget
 from hybridkv.models.tiny import DEFAULT_MODEL
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None or its help already says what the default means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's errors (a bad value, an unknown flag) as one line, like the command's own errors."""
 
@@ -132,7 +141,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape
     from hybridkv.train.loop import TrainConfig
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _Defaults
     parser = _Parser(
         prog="hybridkv",
         description="Token-level prefix KV-cache reuse for hybrid LLMs, measured against full prefill.",
