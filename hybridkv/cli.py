@@ -133,6 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from hybridkv.eval.calibrate import CalibrateConfig
     from hybridkv.eval.contract import ArenaConfig
     from hybridkv.eval.plan import GLM_5_3_FLASH, Workload
+    from hybridkv.eval.probe import ProbeConfig
     from hybridkv.eval.ttft import TTFTConfig
     from hybridkv.eval.validate import ValidateConfig
     from hybridkv.integrations.vllm.bench import BenchPlan
@@ -265,6 +266,24 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_fields(calibrate, CalibrateConfig)
     calibrate.add_argument("--out", type=Path, default=None, help="output file (default: beside a checkpoint)")
 
+    probe = commands.add_parser(
+        "probe",
+        help="where does a model read its answer: the attention KV or the linear states (swap test per layer)",
+        description=(
+            "On samples the model answers correctly with full prefill, swaps the attention KV and the linear states "
+            "with those of a counterfactual context (every answer value changed), zeroes or swaps each linear layer's "
+            "state alone, and runs tail-replay at each budget against the needle's distance from the match end. Says "
+            "per task whether the answer follows the KV ('attention') or the states ('states, layer N'), and how "
+            "much a replayed tail keeps inside and outside it. Writes OUT/probe.json, OUT/probe.md and OUT/probe.png; "
+            "for a checkpoint directory also hybridkv-probe.json beside it, which arena reports and model cards read."
+        ),
+        formatter_class=defaults,
+    )
+    probe.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_device_options(probe)
+    _add_fields(probe, ProbeConfig, workload={"choices": WORKLOADS})
+    _add_output_options(probe, "out/probe")
+
     plan = commands.add_parser(
         "plan",
         help="cache memory and predicted TTFT speedups per caching scheme, from a model's config alone",
@@ -377,6 +396,25 @@ def _calibrate(args: argparse.Namespace) -> None:
     result = calibrate(_load(args), config)
     print(json.dumps({"horizon": result.horizon, "layers": result.layers, "text": result.text}))
     print(f"wrote {result.write(out)}")
+
+
+def _probe(args: argparse.Namespace) -> None:
+    from hybridkv.eval.probe import PROBE_FILE, ProbeConfig, run_probe
+    from hybridkv.models.tokenizer import load_tokenizer
+    from hybridkv.report.probe_report import probe_tables, write_probe
+
+    config = _config(ProbeConfig, args)
+    config.check()  # a bad value fails before the model loads
+    tokenizer = load_tokenizer(args.model)
+    summary = run_probe(_load(args), tokenizer, config, show_progress=not args.no_progress)
+    print(f"{args.model} reads its answer from: {summary['reads_from']}\n")
+    print("\n".join(probe_tables(summary)))
+    written = list(write_probe(summary, args.out))
+    if Path(args.model).is_dir():  # kept beside the checkpoint, where arena reports look for it
+        beside = Path(args.model) / PROBE_FILE
+        beside.write_text(json.dumps(summary, indent=1) + "\n")
+        written.append(beside)
+    print(f"\nwrote {', '.join(map(str, written))}")
 
 
 def _ttft(args: argparse.Namespace) -> None:
@@ -648,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             _calibrate(args)
         elif args.command == "ttft":
             _ttft(args)
+        elif args.command == "probe":
+            _probe(args)
         elif args.command == "plan":
             _plan(args)
         elif args.command == "vllm-bench":

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
+from hybridkv.eval.probe import find_probe
 from hybridkv.eval.summary import OVERALL  # noqa: E402
 from hybridkv.methods.chunked import ATTENTION, LINEAR
+from hybridkv.report.probe_report import probe_paragraph
 
 COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
            "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
@@ -226,9 +228,13 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
         plot(per_task, out_dir / name)
     table_md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     table_md += ["| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    run = json.loads((out_dir / "run.json").read_text()) if (out_dir / "run.json").is_file() else {}
+    probe = find_probe(run["model"], out_dir) if run.get("model") else None
+    reads = probe_paragraph(probe) if probe is not None else []
     md = [
         f"# hybridkv arena — {out_dir}",
         "",
+        *reads,
         "Scores are recomputed from the stored predictions. Retention = method / full prefill; PGR = (method − "
         "no-context floor) / (full − floor), undefined when full does not beat the floor by 1e-3; CIs are paired "
         "bootstrap 95%; agreement_with_full is the share of full prefill's answer a method reproduces before its "
@@ -254,7 +260,8 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
     html_path.write_text(
         f"<!doctype html><meta charset=utf-8><title>hybridkv arena</title>"
         f"<style>body{{font-family:sans-serif}}img{{max-width:48%}}td,th{{padding:2px 6px;border:1px solid #ccc}}"
-        f"table{{border-collapse:collapse;font-size:12px}}</style><h1>hybridkv arena</h1>{images}"
+        f"table{{border-collapse:collapse;font-size:12px}}</style><h1>hybridkv arena</h1>"
+        f"{''.join(f'<p>{html.escape(line)}</p>' for line in reads if line)}{images}"
         f"<table><tr>{head}</tr>{cells}</table>"
     )
     return md_path, html_path

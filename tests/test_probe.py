@@ -1,0 +1,106 @@
+"""`hybridkv probe`: where a model reads its answer, measured by swapping its KV and its states."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.probe import PROBE_FILE, ProbeConfig, counterfactual, find_probe, run_probe, verdict
+from hybridkv.methods import Budget
+from hybridkv.models.tiny import TRAINED_MODELS
+from hybridkv.models.tokenizer import load_tokenizer
+
+BUDGETS = [Budget(fraction=0.1), Budget(fraction=1.0)]
+
+
+def _probe(models, name: str, length: int = 2048, samples: int = 4) -> dict:
+    config = ProbeConfig(tasks=["niah_single_1"], length=length, samples=samples, budgets=BUDGETS)
+    return run_probe(models[name], load_tokenizer(name), config, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def glm_probe(models) -> dict:
+    return _probe(models, "tiny-glm5-next")
+
+
+def test_the_default_glm_model_reads_its_answer_from_kda_layer_2(glm_probe):
+    """Measured, not looked up: with the true MLA KV and a counterfactual context's states it answers
+    the counterfactual value; swapping layer 2's state alone does the same, layers 0 and 1 do not."""
+    assert glm_probe["reads_from"] == "states, layer 2"
+    task = glm_probe["tasks"][0]
+    assert task["solved"] >= 2  # a verdict on samples the model answers
+    assert task["state_swap_follows_states"] >= 0.5 > task["kv_swap_follows_kv"]
+
+
+def test_the_gated_deltanet_model_reads_its_answer_from_attention(models):
+    found = _probe(models, "tiny-qwen3-next")
+    assert found["reads_from"] == "attention"
+    assert found["tasks"][0]["kv_swap_follows_kv"] >= 0.5
+
+
+def test_every_probe_condition_rests_on_exact_resumes(glm_probe):
+    """The unswapped resume at L (true KV, true states) keeps every solved answer, and replaying the
+    whole prefix (budget 1.0: the needle is always inside the tail) keeps every one too."""
+    task = glm_probe["tasks"][0]
+    assert task["resumed_kept"] == 1.0
+    whole = next(row for row in task["replay"] if row["budget"] == 1.0)
+    assert whole["kept"] == 1.0 and whole["needle_in_tail_n"] == task["solved"] and whole["needle_outside_n"] == 0
+
+
+def test_a_model_that_solves_nothing_gets_no_verdict(models):
+    found = _probe(models, "random-qwen3-next", length=512, samples=2)
+    assert found["tasks"][0]["solved"] == 0 and found["reads_from"] == "unmeasured"
+
+
+@pytest.mark.parametrize("value", ["4817203", "blue-whale", "3f2b9c1e-7a4d-4e8b-9f10-2c3d4e5f6a7b", "VAR ABCDE"])
+def test_a_counterfactual_value_differs_everywhere_but_keeps_its_shape(value):
+    other = counterfactual(value)
+    assert len(other) == len(value) and other != value
+    for a, b in zip(value, other, strict=True):
+        assert (a.isdigit(), a.isalpha(), a.isupper()) == (b.isdigit(), b.isalpha(), b.isupper())
+        assert a == b if not a.isalnum() else a != b
+    if value.count("-") == 4:  # a uuid stays hexadecimal
+        assert set(other) <= set("0123456789abcdef-")
+
+
+def test_verdicts_follow_the_shares():
+    assert verdict(0.0, 1.0, [2]) == "states, layer 2"
+    assert verdict(0.1, 0.9, [1, 2]) == "states, layers 1, 2"
+    assert verdict(0.9, 0.0, []) == "attention"
+    assert verdict(0.3, 0.2, []) == "mixed"  # neither swap moves the answer in half the samples
+    assert verdict(None, None, []) == "unmeasured"
+
+
+def test_a_corrupt_probe_beside_a_checkpoint_is_refused(tmp_path):
+    (tmp_path / PROBE_FILE).write_text("{not json")
+    with pytest.raises(HybridKVError, match="not a hybridkv probe"):
+        find_probe(str(tmp_path))
+
+
+def test_probe_writes_beside_a_checkpoint_and_the_arena_report_shows_it(tmp_path, capsys):
+    """`hybridkv probe --model DIR` keeps its verdict beside the checkpoint; an arena run on that
+    checkpoint then states it above its scores."""
+    checkpoint = tmp_path / "model"
+    shutil.copytree(TRAINED_MODELS["tiny-qwen3-next"], checkpoint)
+    (checkpoint / PROBE_FILE).unlink(missing_ok=True)
+    args = ["--model", str(checkpoint), "--length", "1024", "--samples", "2", "--tasks", "niah_single_1"]
+    assert main(["probe", *args, "--budgets", "0.1", "--out", str(tmp_path / "probe"), "--no-progress"]) == 0
+    assert "reads its answer from: attention" in capsys.readouterr().out
+    kept = json.loads((checkpoint / PROBE_FILE).read_text())
+    assert kept == json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert (tmp_path / "probe" / "probe.png").stat().st_size > 0
+    arena = tmp_path / "arena"
+    run = ["arena", "run", "--model", str(checkpoint), "--lengths", "1024", "--samples", "1"]
+    assert main([*run, "--tasks", "niah_single_1", "--methods", "full", "--out", str(arena), "--no-progress"]) == 0
+    assert main(["arena", "score", str(arena)]) == 0 and main(["arena", "report", str(arena)]) == 0
+    report = (arena / "report.md").read_text()
+    assert f"Where {checkpoint} reads its answer: attention" in report
+
+
+def test_probe_refuses_a_task_it_does_not_know(models):
+    with pytest.raises(HybridKVError, match="unknown ruler task"):
+        run_probe(models["tiny-qwen3-next"], load_tokenizer("tiny-qwen3-next"), ProbeConfig(tasks=["nope"]))
