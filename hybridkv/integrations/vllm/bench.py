@@ -98,6 +98,10 @@ class BenchPlan:
         },
     )
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.shadow_rate <= 1:  # refused before any server starts
+            raise HybridKVError(f"--shadow-rate {self.shadow_rate}: a share of zero-state resumes, from 0 to 1")
+
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
     """(top-1 agreement, coarsened KL(reference || got)) from two top-k logprob dicts."""
