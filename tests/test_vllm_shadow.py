@@ -71,6 +71,7 @@ class RecordingShadow:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.jobs = []
+        self.dead = False
 
     def submit(self, job) -> bool:
         if len(self.jobs) >= self.capacity:
@@ -149,3 +150,28 @@ def test_zero_state_resumes_are_queued_for_checks_and_a_tripped_floor_stops_them
 
     assert look_up(engine, request("after", stored[: 3 * BLOCK] + tokens(30, 5))) == 0  # no exact state in reach
     assert look_up(engine, request("exact-after", stored + tokens(30, 6))) == len(stored)  # exact resumes go on
+
+
+def test_a_shadow_model_that_does_not_load_fails_each_check_with_why_and_nothing_waits(tmp_path):
+    """The shadow process answers every job with the reason its model did not load; the checker
+    hands that to the scheduler as a failed check (counted in `shadow_failed`)."""
+    import threading
+
+    from hybridkv.integrations.vllm.shadow import ShadowChecker, ShadowJob
+
+    results, done = [], threading.Event()
+
+    def on_result(result):
+        results.append(result)
+        done.set()
+
+    checker = ShadowChecker(str(tmp_path / "no-such-checkpoint"), "bfloat16", on_result, capacity=1)
+    try:
+        assert checker.submit(ShadowJob("a", [5, 6, 7], 2, None))
+        assert not checker.submit(ShadowJob("b", [5, 6, 7], 2, None))  # capacity 1: dropped at once
+        assert done.wait(timeout=120), "the shadow process never answered"
+    finally:
+        checker.shutdown()
+    assert [(r.request_id, r.error is not None) for r in results] == [("a", True)]
+    assert "did not load" in results[0].error and "no-such-checkpoint" in results[0].error
+    assert checker.pending == 0

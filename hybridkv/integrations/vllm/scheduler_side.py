@@ -371,7 +371,10 @@ class SchedulerSide(ConnectorSide):
         outputs = list(getattr(request, "output_token_ids", None) or [])
         served = int(outputs[0]) if greedy and outputs else None
         job = ShadowJob(request.request_id, list(request.prompt_token_ids), start, served)
-        self._count("shadow_queued" if self._shadow.submit(job) else "shadow_dropped")
+        if self._shadow.submit(job):
+            self._count("shadow_queued")
+        else:  # a full queue drops it; a shadow process that is gone fails it
+            self._count("shadow_failed" if self._shadow.dead else "shadow_dropped")
 
     def _shadow_done(self, result: ShadowResult) -> None:
         """A check's result, on the shadow's reading thread: counted for the next step's stats, and

@@ -126,14 +126,20 @@ class ShadowChecker:
         self._closing = False  # shut down: the process exiting then is no failure to report
 
     @property
+    def dead(self) -> bool:
+        """The shadow process is gone (or never started): no check will be made any more."""
+        return self._dead
+
+    @property
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
 
     def submit(self, job: ShadowJob) -> bool:
-        """Queue a check; False (nothing queued) when `capacity` checks are already pending."""
+        """Queue a check; False (nothing queued) when `capacity` checks are already pending or the
+        process is `dead`."""
         with self._lock:
-            if len(self._pending) >= self.capacity or job.request_id in self._pending:
+            if self._dead or len(self._pending) >= self.capacity or job.request_id in self._pending:
                 return False
             self._pending[job.request_id] = job
             if self._feeder is None:
@@ -180,8 +186,7 @@ class ShadowChecker:
         with self._lock:
             failed, self._pending = list(self._pending), {}
             first = not self._dead
-            self._dead = True
-            self.capacity = 0  # no more submissions
+            self._dead = True  # no more submissions
         if first and (failed or not self._closing):
             log.warning("hybridkv: shadow checks stop: %s", why)
         for request_id in failed:
