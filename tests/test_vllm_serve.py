@@ -187,3 +187,60 @@ def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_p
     assert replies[0].hybridkv["matched"] == 0
     assert replies[1].hybridkv == {"matched": 800, "reused": 800, "exact_state": True}  # on the other server
     assert replies[2].hybridkv == {"matched": 920, "reused": 920, "exact_state": True}  # and back
+
+
+def test_shadow_checks_count_zero_state_resumes_and_their_disagreements_but_none_at_budget_1(production, tmp_path):
+    """`shadow_rate: 1` checks every zero-state resume in a shadow process. Each prompt here shares
+    the first L tokens of a stored one and then diverges, so no stored state lies at L: at budget
+    1.0 the whole match is recomputed (exact: nothing to check); at a budget of 0 tokens vLLM resumes
+    at L from zero states and computes only the prompt's last 2 tokens from them, which moves this
+    random-weight model's first token far beyond float32 noise (in the shadow, on one code path:
+    KL 1.8e-3 to 4.1e-2, and 5 of these 6 top-1 tokens flip). Each phase has its own namespace
+    (`cache_salt`): a slot lists the last 8 blocks stored in it, and more prompts would push the
+    stored one out."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from hybridkv.integrations.vllm.serve import settle_shadow_checks
+
+    rng = random.Random(33)
+    stored = [rng.randrange(3, 500) for _ in range(800)]
+
+    def diverging(length: int, index: int) -> list[int]:  # token 500+ never occurs in `stored`
+        return stored[:length] + [500 + index, rng.randrange(3, 500)]
+
+    replayed_prompts = [diverging(610 + 20 * i, i) for i in range(6)]
+    exact_prompts = [diverging(600 + 20 * i, i) for i in range(4)]
+    spec = ServerSpec(str(production), "hybridkv", 4096, f"file://{tmp_path / 'store'}", "0tok", shadow_rate=1.0)
+
+    async def send(server, prompts, salt=None, budget=None):
+        params = {"replay_budget": budget} if budget is not None else None
+        async with httpx.AsyncClient(timeout=600) as client:
+            return [await complete(client, server.url, spec.model, p, 5, salt, params) for p in prompts]
+
+    with Server(spec, tmp_path / "server.log") as server:
+        at_full = asyncio.run(send(server, [stored, *exact_prompts], "budget-1", 1.0))[1:]
+        full = settle_shadow_checks([server])
+        replayed = asyncio.run(send(server, [stored, *replayed_prompts]))[1:]
+        shadowed = settle_shadow_checks([server])
+    # budget 1.0: every prompt matched L tokens and recomputed them all; no check was queued or made
+    assert [r.hybridkv for r in at_full] == [{"matched": len(p) - 2, "reused": 0, "exact_state": False}
+                                             for p in exact_prompts]  # fmt: skip
+    assert full.get("vllm:hybridkv_shadow_queued_total", 0) == 0
+    assert full.get("vllm:hybridkv_shadow_checks_total", 0) == 0
+    assert full.get("vllm:hybridkv_shadow_top1_disagreements_total", 0) == 0
+    # budget 0: zero-state resumes at L, every one checked, flips seen, KL far above float32 noise
+    assert [r.hybridkv for r in replayed] == [{"matched": len(p) - 2, "reused": len(p) - 2, "exact_state": False}
+                                              for p in replayed_prompts]  # fmt: skip
+    checks = len(replayed_prompts)
+    assert shadowed["vllm:hybridkv_shadow_queued_total"] == checks
+    assert shadowed["vllm:hybridkv_shadow_checks_total"] == checks
+    assert shadowed.get("vllm:hybridkv_shadow_failed_total", 0) == 0
+    assert shadowed.get("vllm:hybridkv_shadow_dropped_total", 0) == 0
+    assert shadowed["vllm:hybridkv_shadow_top1_disagreements_total"] >= 2
+    assert shadowed["vllm:hybridkv_shadow_kl_count"] == checks
+    assert shadowed["vllm:hybridkv_shadow_kl_sum"] / checks > 1e-3
+    # greedy requests: the token vLLM served was compared with the shadow's served-recipe argmax
+    assert shadowed["vllm:hybridkv_shadow_reproduced_checked_total"] == checks

@@ -36,11 +36,23 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.serve import ADAPTIVE, Reply, Server, ServerSpec, run_sessions
+from hybridkv.integrations.vllm.serve import (
+    ADAPTIVE,
+    Reply,
+    Server,
+    ServerSpec,
+    run_sessions,
+    settle_shadow_checks,
+)
 from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
 
 CONNECTOR_FIELDS = (
     "hook_ms_per_request", "wait_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request", "write_ms_per_request"
+)  # fmt: skip
+# hybridkv with --shadow-rate only: the connector's shadow checks over one run (`shadow.py`)
+SHADOW_FIELDS = (
+    "shadow_checks", "shadow_top1_disagreements", "shadow_disagreement_rate", "shadow_kl_mean",
+    "shadow_reproduced_rate", "shadow_dropped", "shadow_failed",
 )  # fmt: skip
 SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
@@ -71,6 +83,13 @@ class BenchPlan:
     )
     top_logprobs: int = 20
     seed: int = 0
+    shadow_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of hybridkv's zero-state resumes the connector checks against the exact first token "
+            "in a shadow process (its shadow_rate; 0: off)"
+        },
+    )
     engines: int = field(
         default=1,
         metadata={
@@ -78,6 +97,10 @@ class BenchPlan:
             "every turn"
         },
     )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shadow_rate <= 1:  # refused before any server starts
+            raise HybridKVError(f"--shadow-rate {self.shadow_rate}: a share of zero-state resumes, from 0 to 1")
 
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
@@ -193,8 +216,9 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
             # a namespace per run: a store given with --store starts empty for every budget and rerun
             namespace = f"vllm-bench:{label}:{uuid.uuid4().hex}"
             spec = ServerSpec(
-                plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed, namespace
-            )
+                plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed, namespace,
+                plan.shadow_rate,
+            )  # fmt: skip
             progress.set_postfix_str(f"{label}: starting vllm serve")
             with ExitStack() as stack:
                 servers = [
@@ -219,6 +243,9 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                     replies, wall = _run(urls, runs, clients, plan, progress.update)
                     requests = sum(len(s) for s in runs)
                     spent = _connector_spent(servers, before, requests) if before is not None else None
+                    if before is not None and plan.shadow_rate > 0:  # checks finish after their answers
+                        progress.set_postfix_str(f"{label}: {name}, {clients} clients: shadow checks")
+                        spent = (spent or {}) | shadow_figures(before, settle_shadow_checks(servers))
                     run["results"][(name, clients)] = (replies, wall, spent)
             measured[(config, budget)] = run
     summary = summarise(plan, measured) | {"calibration": calibration}
@@ -261,6 +288,27 @@ def _connector_spent(servers: list[Server], before: dict[str, float], requests: 
         * (after.get(f"vllm:hybridkv_{name}_total", 0) - before.get(f"vllm:hybridkv_{name}_total", 0))
         / requests
         for name in _SECONDS
+    }
+
+
+def shadow_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | int | None]:
+    """The shadow checks between two readings of the servers' counters: how many, how many flipped
+    the first token (and their share), the mean KL(exact || served recipe), and the share of checks
+    whose served token the shadow reproduced (greedy requests)."""
+
+    def grew(name: str) -> float:
+        return after.get(f"vllm:hybridkv_{name}", 0.0) - before.get(f"vllm:hybridkv_{name}", 0.0)
+
+    checks, flips = int(grew("shadow_checks_total")), int(grew("shadow_top1_disagreements_total"))
+    compared = grew("shadow_reproduced_checked_total")
+    return {
+        "shadow_checks": checks,
+        "shadow_top1_disagreements": flips,
+        "shadow_disagreement_rate": flips / checks if checks else None,
+        "shadow_kl_mean": grew("shadow_kl_sum") / checks if checks else None,
+        "shadow_reproduced_rate": grew("shadow_reproduced_total") / compared if compared else None,
+        "shadow_dropped": int(grew("shadow_dropped_total")),
+        "shadow_failed": int(grew("shadow_failed_total")),
     }
 
 
@@ -320,7 +368,9 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "clear_requests": clear_requests,
                         # hybridkv only: the connector's milliseconds per request (hooks and lookup
                         # waits on the engine loop, page copies, lookups and writes on their threads)
-                        **(spent or dict.fromkeys(CONNECTOR_FIELDS)),
+                        **dict.fromkeys(CONNECTOR_FIELDS),
+                        **dict.fromkeys(SHADOW_FIELDS),
+                        **(spent or {}),
                     }
                 )
                 disagreements += [
@@ -346,6 +396,7 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
         "model": plan.model,
         "seed": plan.seed,
         "shape": asdict(plan.shape),
+        "shadow_rate": plan.shadow_rate,
         "split_noise": noise,
         "rows": rows,
         "disagreements": disagreements,
@@ -507,6 +558,29 @@ def report(summary: dict) -> str:
                 f"| {d['workload']} | {d['clients']} | {_label(d)} | {d['session']} / {d['turn']} | {d['lead']:.4f} | "
                 f"{d['gap']:.4f} | {d['gap'] / at if at else math.inf:.1f} | {d['kl']:.2e} | {d['reused']} | "
                 f"{d['replayed']} | {state} | {'clear lead' if d['clear'] else 'near-tie'} |"
+            )
+        lines.append("")
+    if shadowed := [r for r in summary["rows"] if r.get("shadow_checks") is not None]:
+        lines += [
+            "## Shadow checks",
+            "",
+            f"The connector checked a share {summary.get('shadow_rate')} of its zero-state resumes in a shadow "
+            "process (`shadow_rate`): the prompt's first-token distribution as the served recipe computes it (the "
+            "KV before the resume point, zeroed linear states there) against the exact one (the same KV and the "
+            "exact states), on one transformers code path, after the request was answered. Flips: checks whose "
+            "top-1 differs; KL(exact || served recipe) in nats; reproduced: the share whose served recipe's top-1 "
+            "in the shadow is the token vLLM served.",
+            "",
+            "| workload | clients | budget | checks | flips | flip rate | KL mean | reproduced | dropped | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in shadowed:
+            rate, kl, same = row["shadow_disagreement_rate"], row["shadow_kl_mean"], row["shadow_reproduced_rate"]
+            lines.append(
+                f"| {row['workload']} | {row['clients']} | {row['budget']} | {row['shadow_checks']} | "
+                f"{row['shadow_top1_disagreements']} | {'—' if rate is None else f'{rate:.3f}'} | "
+                f"{'—' if kl is None else f'{kl:.2e}'} | {'—' if same is None else f'{same:.3f}'} | "
+                f"{row['shadow_dropped']} | {row['shadow_failed']} |"
             )
         lines.append("")
     lines += [

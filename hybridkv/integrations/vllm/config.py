@@ -42,6 +42,14 @@ class ConnectorConfig:
     # `max_held_mib`, in bytes: verified pages held in memory for requests not yet admitted; past
     # it, new lookups wait. Default 1024 MiB
     max_held_bytes: int
+    # `shadow_rate`: the share of zero-state resumes (inexact hits) checked against the exact
+    # answer's first token in a shadow process, off the request's path (`shadow.py`). 0 (the
+    # default) turns checks off; 1 checks every one. Sampled by a hash of the request id
+    shadow_rate: float = 0.0
+    # `shadow_floor`: a disagreement rate in (0, 1]; once the checks' rate (over at least 20) reaches
+    # it, the engine stops resuming from zero states: an exact stored state within the match, else a
+    # full prefill. Needs `shadow_rate` > 0. Default none
+    shadow_floor: float | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, model: str) -> ConnectorConfig:
@@ -55,6 +63,7 @@ class ConnectorConfig:
             store=_store(extra.get("store")),
             cache_salt=_text(extra.get("cache_salt", ""), "cache_salt"),
             max_held_bytes=_mib(extra.get("max_held_mib", 1024), "max_held_mib"),
+            **_shadow(extra.get("shadow_rate", 0.0), extra.get("shadow_floor")),
         )
 
 
@@ -87,6 +96,18 @@ def _mib(setting, name: str) -> int:
     if not mib > 0 or math.isinf(mib):
         raise HybridKVError(f"{name} {setting!r}: a positive number of MiB")
     return int(mib * 2**20)
+
+
+def _shadow(rate, floor) -> dict[str, float | None]:
+    """`shadow_rate` in [0, 1] and `shadow_floor` in (0, 1] (or absent), which needs checks to read."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        raise HybridKVError(f"shadow_rate {rate!r}: a share of inexact hits to check, from 0 to 1")
+    if floor is not None:
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 < floor <= 1:
+            raise HybridKVError(f"shadow_floor {floor!r}: a top-1 disagreement rate above 0, at most 1")
+        if rate == 0:
+            raise HybridKVError(f"shadow_floor {floor!r} needs shadow_rate > 0: the floor reads the checks' rate")
+    return {"shadow_rate": float(rate), "shadow_floor": None if floor is None else float(floor)}
 
 
 def _replay_horizon(setting, model: str) -> int | None:

@@ -25,8 +25,8 @@ that step and written to the store by a background thread, off the request's pat
 vLLM builds one connector per role, and each role's connector builds that side only:
 `scheduler_side.SchedulerSide` or `worker_side.WorkerSide`, which talk through the step's metadata
 (`metadata.py`); both take the settings (`config.ConnectorConfig`: `store`, `replay_budget`,
-`replay_horizon`, `cache_salt`, `save_states`, `max_held_mib`) and the engine's cache layout
-(`layout.CacheGroups`). A request may set its own budget:
+`replay_horizon`, `cache_salt`, `save_states`, `max_held_mib`, `shadow_rate`, `shadow_floor`) and
+the engine's cache layout (`layout.CacheGroups`). A request may set its own budget:
 `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each finished
 request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in
 `RequestOutput.kv_transfer_params`.
@@ -97,7 +97,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = BlockStore(GuardedStore(open_store(config.store)), fingerprint, groups.block_size, config.cache_salt)
         self._side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
-            self._side = SchedulerSide(config, groups, blocks, vllm_config.scheduler_config.max_num_seqs)
+            max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+            dtype = str(model.dtype).removeprefix("torch.")
+            self._side = SchedulerSide(config, groups, blocks, max_num_seqs, model.model, dtype)
         else:
             self._side = WorkerSide(config, groups, blocks)
 

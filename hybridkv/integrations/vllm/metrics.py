@@ -2,8 +2,10 @@
 Prometheus endpoint (`/metrics` of `vllm serve`), as `vllm:hybridkv_*` series per engine.
 
 Both sides of the connector report: the scheduler its lookups (hits, tokens reused, tokens
-replayed, a replay-length histogram) and its store's read errors; the worker its store's write
-errors. vLLM aggregates the two (`aggregate`) and hands the sum to `HybridKVPromMetrics.observe`.
+replayed, a replay-length histogram), its store's read errors and its shadow checks (`shadow.py`:
+counters and a KL histogram, reported with the engine step after each check's result came back);
+the worker its store's write errors. vLLM aggregates the two (`aggregate`) and hands the sum to
+`HybridKVPromMetrics.observe`.
 """
 
 from __future__ import annotations
@@ -31,22 +33,35 @@ COUNTERS = {
     "lookup_seconds": "Seconds of lookups (hashing, store reads, verification) on the lookup thread.",
     "write_seconds": "Seconds writing saved prompts (hashing, encoding, store puts) on the writer thread.",
     "saves_dropped": "Prompts not saved because the writer's backlog was full (a slow or stalled store).",
+    # Shadow checks (`shadow_rate`): a sampled zero-state resume's first token against the exact one's.
+    "shadow_queued": "Zero-state resumes sampled for a shadow check and queued (counted when their request finished).",
+    "shadow_checks": "Shadow checks completed: the served recipe's first-token distribution against the exact one.",
+    "shadow_top1_disagreements": "Shadow checks whose served recipe's top-1 first token differs from the exact one.",
+    "shadow_reproduced_checked": "Shadow checks of greedy requests, whose served token is compared with the shadow's.",
+    "shadow_reproduced": "Of those, checks where the served recipe's top-1 (in the shadow) is the token vLLM served.",
+    "shadow_dropped": "Sampled zero-state resumes not checked because the shadow's queue was full.",
+    "shadow_failed": "Shadow checks that could not be made (the shadow model failed to load or its process died).",
+    "shadow_floor_trips": "Times the shadow checks' disagreement rate reached shadow_floor (zero-state resumes stop).",
 }
 REPLAY_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# KL(exact || served recipe) in nats, per decade: the float32 shadow's exact run against one unsplit
+# forward is ~2e-14 (below every bucket), a zeroed state the gates have forgotten 1e-7 to 1e-5, a few
+# tokens from zero states 1e-3 to 1e-1 (the random-weight bench model).
+SHADOW_KL_BUCKETS = tuple(10.0**e for e in range(-9, 2))
 STORE_ERROR_KINDS = ("get_errors", "put_errors", "delete_errors", "corrupt", "skipped_while_down")
 
 
 @dataclass
 class HybridKVStats(KVConnectorStats):
-    """`data`: {"counters": {name: count}, "replay_tokens": [one sample per hit]} (plain types: it
-    crosses from the engine to the API server process)."""
+    """`data`: {"counters": {name: count}, "replay_tokens": [one sample per hit], "shadow_kl": [one
+    sample per shadow check]} (plain types: it crosses from the engine to the API server process)."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": dict.fromkeys(COUNTERS, 0), "replay_tokens": []}
+        self.data = {"counters": dict.fromkeys(COUNTERS, 0), "replay_tokens": [], "shadow_kl": []}
 
     def count(self, name: str, value: float = 1) -> None:
         self.data["counters"][name] += value
@@ -60,18 +75,36 @@ class HybridKVStats(KVConnectorStats):
             self.count("tokens_replayed", matched - reused)
             self.data["replay_tokens"].append(matched - reused)
 
+    def record_shadow(self, top1_agrees: bool, kl: float, reproduced: bool | None) -> None:
+        """One completed shadow check (`shadow.ShadowResult`)."""
+        self.count("shadow_checks")
+        self.count("shadow_top1_disagreements", int(not top1_agrees))
+        if reproduced is not None:
+            self.count("shadow_reproduced_checked")
+            self.count("shadow_reproduced", int(reproduced))
+        self.data["shadow_kl"].append(kl)
+
     def aggregate(self, other: KVConnectorStats) -> HybridKVStats:
         for name, value in other.data.get("counters", {}).items():
             self.data["counters"][name] = self.data["counters"].get(name, 0) + value
         self.data["replay_tokens"].extend(other.data.get("replay_tokens", []))
+        self.data.setdefault("shadow_kl", []).extend(other.data.get("shadow_kl", []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        lengths = self.data["replay_tokens"]
-        return {**self.data["counters"], "replay_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0}
+        lengths, kls = self.data["replay_tokens"], self.data.get("shadow_kl", [])
+        return {
+            **self.data["counters"],
+            "replay_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            **({"shadow_kl_mean": sum(kls) / len(kls)} if kls else {}),
+        }
 
     def is_empty(self) -> bool:
-        return not any(self.data["counters"].values()) and not self.data["replay_tokens"]
+        return (
+            not any(self.data["counters"].values())
+            and not self.data["replay_tokens"]
+            and not self.data.get("shadow_kl")
+        )
 
 
 class HybridKVPromMetrics(KVConnectorPromMetrics):
@@ -88,6 +121,13 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
         )
         self.replay = {i: replay.labels(*values) for i, values in per_engine_labelvalues.items()}
+        kl = self._histogram_cls(
+            name="vllm:hybridkv_shadow_kl",
+            documentation="KL(exact || served recipe) of each shadow check's first-token distribution, in nats.",
+            buckets=list(SHADOW_KL_BUCKETS),
+            labelnames=labelnames,
+        )
+        self.shadow_kl = {i: kl.labels(*values) for i, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
@@ -95,3 +135,5 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
                 self.counters[name][engine_idx].inc(value)
         for value in transfer_stats_data.get("replay_tokens", []):
             self.replay[engine_idx].observe(value)
+        for value in transfer_stats_data.get("shadow_kl", []):
+            self.shadow_kl[engine_idx].observe(value)

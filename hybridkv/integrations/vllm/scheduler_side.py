@@ -20,6 +20,7 @@ from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
 from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
+from hybridkv.integrations.vllm.shadow import ShadowChecker, ShadowFloor, ShadowJob, ShadowResult, sampled
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
 from hybridkv.integrations.vllm.worker_side import drain_local_saves
 from hybridkv.methods import Budget
@@ -33,6 +34,7 @@ class _Lookup:  # scheduler-side record of a request's lookup, with its verified
     start: int
     exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
     resume: ResumePlan | None = None
+    zero_state: bool = False  # resumed at start from zeroed linear states (a tail replay)
 
 
 @dataclass
@@ -63,7 +65,10 @@ class SchedulerSide(ConnectorSide):
     WAIT_FOR_PREFIX_TOKENS = 512
     SAVE_NOTICE_TIMEOUT_S = 10.0  # a save the worker never reports done stops holding lookups back
 
-    def __init__(self, config: ConnectorConfig, groups: CacheGroups, blocks: BlockStore, max_num_seqs: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, groups: CacheGroups, blocks: BlockStore, max_num_seqs: int,
+        model: str = "", dtype: str = "bfloat16",
+    ) -> None:  # fmt: skip
         super().__init__(config, groups, blocks)
         self.block_size = groups.block_size
         # Synchronous loads cannot be reported failed (vLLM takes no per-request failure for a
@@ -84,6 +89,12 @@ class SchedulerSide(ConnectorSide):
         self._max_pending = 2 * max_num_seqs
         self._held = 0  # hits holding verified pages
         self._held_bytes = 0
+        # shadow checks (`shadow.py`) of the served checkpoint `model`, served in `dtype`
+        self.shadow_floor = ShadowFloor(config.shadow_floor)
+        self._shadow: ShadowChecker | None = None
+        self._shadow_failed_seen = False  # the first failure is logged, later ones only counted
+        if config.shadow_rate > 0:
+            self._shadow = ShadowChecker(model, dtype, self._shadow_done)
 
     @property
     def held_bytes(self) -> int:
@@ -197,14 +208,21 @@ class SchedulerSide(ConnectorSide):
     def _look_up(self, request) -> _Lookup:
         """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
+        budget, horizon = self._request_budget(request), self.config.replay_horizon
+        floored = self.shadow_floor.tripped
+        if floored:  # the whole match is in reach: an exact stored state anywhere in it, else start 0
+            budget, horizon = Budget(fraction=1.0), None
         try:
             drain_local_saves()  # this process's own saves first (see worker_side._Writer)
             resume = self.blocks.resume(
-                list(request.prompt_token_ids), attention, states, self._request_budget(request),
-                getattr(request, "cache_salt", None), self.config.replay_horizon, self.pool_alignment,
+                list(request.prompt_token_ids), attention, states, budget,
+                getattr(request, "cache_salt", None), horizon, self.pool_alignment,
             )  # fmt: skip
+            if floored and resume.start and not resume.exact:
+                return _Lookup(resume.matched, 0)  # only an inexact state in reach: a full prefill
             exact_state = resume.states is not None and resume.exact
-            return _Lookup(resume.matched, resume.start, exact_state, resume if resume.start else None)
+            zero_state = resume.start > 0 and resume.states is None
+            return _Lookup(resume.matched, resume.start, exact_state, resume if resume.start else None, zero_state)
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
             return _Lookup(0, 0)
@@ -335,8 +353,51 @@ class SchedulerSide(ConnectorSide):
 
     @timed("hook_seconds")
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        hit = self._hits.get(request.request_id)
+        # served from zero states: its load went out (the pages left the hit) and was not undone
+        zero_state_resume = hit is not None and hit.start > 0 and hit.zero_state and hit.resume is None
         info = self._forget(request.request_id)
+        if self._shadow is not None and zero_state_resume:
+            self._queue_shadow_check(request, hit.start)
         return False, ({"hybridkv": info} if info is not None else None)
+
+    def _queue_shadow_check(self, request, start: int) -> None:
+        """A finished zero-state resume, sampled at `shadow_rate`, goes to the shadow process; its
+        answer is out, so the check delays nothing. A full queue drops it (counted)."""
+        if not sampled(request.request_id, self.config.shadow_rate):
+            return
+        params = getattr(request, "sampling_params", None)
+        greedy = params is not None and getattr(params, "temperature", 1.0) < 1e-5  # vLLM's _SAMPLING_EPS
+        outputs = list(getattr(request, "output_token_ids", None) or [])
+        served = int(outputs[0]) if greedy and outputs else None
+        job = ShadowJob(request.request_id, list(request.prompt_token_ids), start, served)
+        if self._shadow.submit(job):
+            self._count("shadow_queued")
+        else:  # a full queue drops it; a shadow process that is gone fails it
+            self._count("shadow_failed" if self._shadow.dead else "shadow_dropped")
+
+    def _shadow_done(self, result: ShadowResult) -> None:
+        """A check's result, on the shadow's reading thread: counted for the next step's stats, and
+        weighed against the floor."""
+        if result.error is not None:
+            with self._stats_lock:
+                first, self._shadow_failed_seen = not self._shadow_failed_seen, True
+                self._stats.count("shadow_failed")
+            if first:
+                log.warning("hybridkv: a shadow check failed: %s", result.error)
+            return
+        with self._stats_lock:
+            self._stats.record_shadow(result.top1_agrees, result.kl, result.reproduced)
+            tripped = self.shadow_floor.record(not result.top1_agrees)
+            if tripped:
+                self._stats.count("shadow_floor_trips")
+        if tripped:
+            floor = self.shadow_floor
+            log.warning(
+                "hybridkv: shadow checks disagree on the first token in %d of %d (%.2f >= shadow_floor %.2f): "
+                "no more zero-state resumes on this engine (exact stored states or full prefills)",
+                floor.disagreements, floor.checks, floor.rate, floor.floor,
+            )  # fmt: skip
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -344,4 +405,6 @@ class SchedulerSide(ConnectorSide):
     def shutdown(self) -> None:
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        if self._shadow is not None:
+            self._shadow.shutdown()
         super().shutdown()

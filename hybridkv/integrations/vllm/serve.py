@@ -60,6 +60,7 @@ class ServerSpec:
     top_logprobs: int = 20
     seed: int = 0
     namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages
+    shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of zero-state resumes
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -90,6 +91,8 @@ class ServerSpec:
                     "cache_salt": self.namespace,
                 },
             }
+            if self.shadow_rate:
+                transfer["kv_connector_extra_config"]["shadow_rate"] = self.shadow_rate
             if self.budget == ADAPTIVE:
                 transfer["kv_connector_extra_config"] |= {"replay_budget": "1.0", "replay_horizon": "calibrated"}
             args += ["--kv-transfer-config", json.dumps(transfer)]
@@ -185,7 +188,7 @@ class Server:
 
         text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
         sums: dict[str, float] = {}
-        for name, value in re.findall(rf"^({re.escape(prefix)}[a-z_]+)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+        for name, value in re.findall(rf"^({re.escape(prefix)}[a-z0-9_]+)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
             sums[name] = sums.get(name, 0.0) + float(value)
         return sums
 
@@ -199,6 +202,40 @@ class Server:
         if found is None:
             raise HybridKVError(f"vllm serve ({self.spec.config}): no block_size in vllm:cache_config_info")
         return int(found.group(1))
+
+
+SHADOW_SETTLED = ("vllm:hybridkv_shadow_checks_total", "vllm:hybridkv_shadow_failed_total")
+
+
+def settle_shadow_checks(servers: list[Server], timeout_s: float = 300.0) -> dict[str, float]:
+    """The servers' `vllm:hybridkv_*` series once every queued shadow check is counted done.
+
+    A check finishes after its request was answered, and the engine reports it with its next step:
+    an idle engine takes none, so this sends each server a 4-token request in a namespace of its own
+    (`cache_salt`: a miss, never checked) until the counts settle."""
+    import uuid
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=600) as client:
+        while True:
+            # first a step on every engine: the step that finished the last request counted its
+            # checks queued, and the API server records a step's figures just after its answers
+            for server in servers:
+                body = {"model": server.spec.model, "prompt": [2, 2, 2, 2], "max_tokens": 1,
+                        "cache_salt": f"hybridkv-settle-{uuid.uuid4().hex}"}  # fmt: skip
+                client.post(f"{server.url}/v1/completions", json=body)
+            time.sleep(0.5)
+            totals: dict[str, float] = {}
+            for server in servers:
+                for name, value in server.metrics().items():
+                    totals[name] = totals.get(name, 0.0) + value
+            settled = sum(totals.get(name, 0.0) for name in SHADOW_SETTLED)
+            if settled >= totals.get("vllm:hybridkv_shadow_queued_total", 0.0):
+                return totals
+            if time.monotonic() > deadline:
+                raise HybridKVError(f"shadow checks still pending after {timeout_s:.0f} s")
 
 
 @dataclass
@@ -223,10 +260,11 @@ class Reply:
 
 
 async def complete(
-    client, url: str, model: str, prompt: list[int], top_logprobs: int, cache_salt: str | None = None
-) -> Reply:
+    client, url: str, model: str, prompt: list[int], top_logprobs: int, cache_salt: str | None = None,
+    kv_transfer_params: dict | None = None,
+) -> Reply:  # fmt: skip
     """Send one prompt (token ids) and time its first token; `cache_salt` is vLLM's per-request
-    tenant namespace."""
+    tenant namespace, `kv_transfer_params` the connector's per-request settings (`replay_budget`)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -237,6 +275,8 @@ async def complete(
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     started = time.perf_counter()
     response = await client.post(f"{url}/v1/completions", json=body)
     ttft = time.perf_counter() - started
