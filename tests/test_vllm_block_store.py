@@ -286,6 +286,36 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
     assert "| shared-system | 4 | 0.05 | 2.00 | 1.50 |" in text  # TTFT 0.5 / 0.25, throughput 3.0 / 2.0
 
 
+def test_cold_requests_are_those_no_cache_reused_a_token_on_and_are_reported_apart():
+    """A prefix's first request is prefilled in full by every configuration: the align-mode table
+    gives hybridkv's TTFT share on those and the ratio over the rest, which is what a cache can change."""
+    from hybridkv.integrations.vllm.bench import BenchPlan, report, summarise
+    from hybridkv.integrations.vllm.serve import Reply
+
+    def run(ttfts, reused, connector=False):
+        made = [
+            Reply(t, {1: -0.1, 9: -3.0}, 100, 0 if connector else r, {"matched": r, "reused": r} if connector else None)
+            for t, r in zip(ttfts, reused, strict=True)
+        ]
+        return [made[:2], made[2:]]  # two sessions of two turns
+
+    plan = BenchPlan("m", ["shared-system"], [1], ["0.05"])
+    results = {
+        ("no-cache", None): run([4.0, 1.0, 4.0, 1.0], [0, 0, 0, 0]),
+        # align reuses nothing on the first turns (cold) nor on the second turn of session 1
+        ("vllm-prefix-cache", None): run([4.0, 0.8, 4.0, 1.0], [0, 64, 0, 0]),
+        ("hybridkv", "0.05"): run([4.0, 0.2, 4.0, 0.2], [0, 90, 0, 90], connector=True),
+    }
+    measured = {k: {"block_size": 64, "results": {("shared-system", 1): (r, 1.0, None)}} for k, r in results.items()}
+    rows = {r["config"]: r for r in summarise(plan, measured)["rows"]}
+    assert [rows[c]["cold_requests"] for c in rows] == [2, 2, 2]
+    assert rows["hybridkv"]["ttft_cold_sum_s"] == 8.0 and rows["hybridkv"]["ttft_rest_mean_s"] == 0.2
+    assert rows["vllm-prefix-cache"]["ttft_rest_mean_s"] == 0.9
+    text = report(summarise(plan, measured))
+    # TTFT 2.1 / 2.45 overall; 8.0 of 8.4 s on the two cold requests, equal to align's; 0.2 / 0.9 on the rest
+    assert "| shared-system | 1 | 0.05 | 0.86 | 1.00 | 2/4 | 95% | 1.00 | 0.22 |" in text
+
+
 def test_clear_lead_top1_counts_flips_on_a_clear_lead_and_leaves_out_near_ties():
     """The split noise is the largest logprob gap between vLLM's own cache and vLLM alone; a
     request counts in `top1_clear` only where the reference's lead exceeds twice it."""

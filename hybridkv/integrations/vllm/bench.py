@@ -57,7 +57,7 @@ SHADOW_FIELDS = (
 SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
     "throughput_rps", "reused_tokens_per_request", "replayed_tokens_per_request", "top1_agreement", "kl_mean",
-    "top1_clear", "clear_requests",
+    "top1_clear", "clear_requests", "cold_requests", "ttft_cold_sum_s", "ttft_rest_mean_s",
 )  # fmt: skip
 
 
@@ -338,6 +338,7 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
         for clients in plan.clients:
             reference = _flat(measured[("no-cache", None)]["results"][(name, clients)][0])
             at = noise[str(clients)]
+            cold = _cold_requests(measured, name, clients)
             for (config, budget), run in measured.items():
                 replies, wall, spent = run["results"][(name, clients)]
                 flat = _flat(replies)
@@ -366,6 +367,11 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "kl_mean": statistics.mean(f.kl for f in fidelity),
                         "top1_clear": clear,
                         "clear_requests": clear_requests,
+                        # requests no cached configuration reused a token on (a prefix's first sight):
+                        # every configuration pays their whole prefill, so they bound what a cache can save
+                        "cold_requests": len(cold),
+                        "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
+                        "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
                         # hybridkv only: the connector's milliseconds per request (hooks and lookup
                         # waits on the engine loop, page copies, lookups and writes on their threads)
                         **dict.fromkeys(CONNECTOR_FIELDS),
@@ -401,6 +407,18 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
         "rows": rows,
         "disagreements": disagreements,
     }
+
+
+def _cold_requests(measured: dict, workload: str, clients: int) -> set[int]:
+    """Indices (in `_flat`'s order) of the requests on which no configuration with a cache reused a
+    token: what every configuration computes in full."""
+    runs = [_flat(run["results"][(workload, clients)][0]) for key, run in measured.items() if key[0] != "no-cache"]
+    count = len(_flat(measured[("no-cache", None)]["results"][(workload, clients)][0]))
+    return {i for i in range(count) if all(run[i][2].reused_tokens == 0 for run in runs)}
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
 
 
 def _split_noise_at(plan: BenchPlan, measured: dict, clients: int) -> float | None:
@@ -478,6 +496,20 @@ def plot(summary: dict, workload: str, path: Path) -> None:
 def _clear_cell(row: dict) -> str:
     agreement = "—" if row.get("top1_clear") is None else f"{row['top1_clear']:.3f}"
     return f"{agreement} ({row.get('clear_requests', 0)})"
+
+
+def _cold_cells(row: dict, base: dict) -> str:
+    """The cold-request columns of the align-mode table (— for a summary made before they existed)."""
+    if row.get("cold_requests") is None:
+        return "— | — | — | —"
+    total = row["ttft_mean_s"] * row["requests"]
+    share = row["ttft_cold_sum_s"] / total if total else 0.0
+    cold = row["ttft_cold_sum_s"] / base["ttft_cold_sum_s"] if base["ttft_cold_sum_s"] else None
+    rest = row["ttft_rest_mean_s"] / base["ttft_rest_mean_s"] if base.get("ttft_rest_mean_s") else None
+    return " | ".join(
+        [f"{row['cold_requests']}/{row['requests']}", f"{share:.0%}"]
+        + ["—" if value is None else f"{value:.2f}" for value in (cold, rest)]
+    )
 
 
 def report(summary: dict) -> str:
@@ -588,10 +620,14 @@ def report(summary: dict) -> str:
         "",
         "Mean TTFT and throughput of each hybridkv budget divided by `vllm-prefix-cache`'s, same workload and "
         "client count (the targets: TTFT ≤ 0.6 off the grid and on multi-turn, ≤ 1.05 on grid-aligned; "
-        "throughput at 16 clients ≥ 1).",
+        "throughput at 16 clients ≥ 1). Cold requests are those on which no cached configuration reused a "
+        "token (a prefix seen for the first time): every configuration prefills them in full, so their share "
+        "of hybridkv's TTFT is a cost no cache removes; `rest` is the ratio over the other requests, and "
+        "`cold / align` compares what the two configurations spent on the same cold requests.",
         "",
-        "| workload | clients | budget | TTFT / align mode | throughput / align mode |",
-        "|---|---|---|---|---|",
+        "| workload | clients | budget | TTFT / align mode | throughput / align mode | cold requests | "
+        "hybridkv's TTFT on them | cold / align | TTFT / align mode, rest |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     align = {(r["workload"], r["clients"]): r for r in summary["rows"] if r["config"] == "vllm-prefix-cache"}
     for row in summary["rows"]:
@@ -599,7 +635,7 @@ def report(summary: dict) -> str:
             lines.append(
                 f"| {row['workload']} | {row['clients']} | {row['budget']} | "
                 f"{row['ttft_mean_s'] / base['ttft_mean_s']:.2f} | "
-                f"{row['throughput_rps'] / base['throughput_rps']:.2f} |"
+                f"{row['throughput_rps'] / base['throughput_rps']:.2f} | " + _cold_cells(row, base) + " |"
             )
     lines.append("")
     return "\n".join(lines)
