@@ -175,3 +175,19 @@ def test_a_shadow_model_that_does_not_load_fails_each_check_with_why_and_nothing
     assert [(r.request_id, r.error is not None) for r in results] == [("a", True)]
     assert "did not load" in results[0].error and "no-such-checkpoint" in results[0].error
     assert checker.pending == 0
+
+
+def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
+    """A setting the connector does not read would silently run at its default; every key `SETTINGS`
+    lists parses with a valid value."""
+    from hybridkv.integrations.vllm.config import SETTINGS
+
+    with pytest.raises(HybridKVError, match=r"^unknown kv_connector_extra_config setting\(s\) 'replay_bugdet'; known"):
+        ConnectorConfig.parse({"replay_bugdet": 0.2}, "model")
+    valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "replay_horizon": 64, "cache_salt": "a",
+             "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3}  # fmt: skip
+    assert set(valid) == SETTINGS
+    config = ConnectorConfig.parse(valid, "model")
+    assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
+        0.2, 64, False, 8 * 2**20,
+    )  # fmt: skip

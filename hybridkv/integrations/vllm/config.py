@@ -2,7 +2,8 @@
 
     "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0", "replay_budget": 0.05}
 
-Every setting is optional. A bad value stops the engine at start, in one line naming the setting.
+Every setting is optional. A bad value, or a key the connector does not read (a misspelt setting
+would otherwise run at its default), stops the engine at start, in one line naming it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class ConnectorConfig:
         """The settings in `extra`, for the engine serving `model` (a checkpoint directory, where a
         "calibrated" horizon is read)."""
         extra = extra or {}
+        if unknown := sorted(set(extra) - SETTINGS):  # a misspelt setting would otherwise be its default
+            raise HybridKVError(
+                f"unknown kv_connector_extra_config setting(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(SETTINGS))}"
+            )
         return cls(
             replay_budget=Budget.parse(str(extra.get("replay_budget", 0.05))),
             save_states=_flag(extra.get("save_states", True), "save_states"),
@@ -65,6 +71,13 @@ class ConnectorConfig:
             max_held_bytes=_mib(extra.get("max_held_mib", 1024), "max_held_mib"),
             **_shadow(extra.get("shadow_rate", 0.0), extra.get("shadow_floor")),
         )
+
+
+# Every key `parse` reads (`max_held_mib` fills `max_held_bytes`).
+SETTINGS = frozenset(
+    {"store", "replay_budget", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
+     "shadow_floor"}
+)  # fmt: skip
 
 
 def _store(setting) -> str:
