@@ -58,6 +58,7 @@ SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
     "throughput_rps", "reused_tokens_per_request", "replayed_tokens_per_request", "top1_agreement", "kl_mean",
     "top1_clear", "clear_requests", "cold_requests", "ttft_cold_sum_s", "ttft_rest_mean_s",
+    "computed_tokens_per_request", "unmatched_tokens_per_request",
 )  # fmt: skip
 
 
@@ -372,6 +373,16 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
                         "cold_requests": len(cold),
                         "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
                         "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
+                        # prompt tokens computed (not reused), and, for hybridkv, those no stored prefix
+                        # matched: every configuration computes them, whatever its budget
+                        "computed_tokens_per_request": statistics.mean(
+                            r.prompt_tokens - r.reused_tokens for _, _, r in flat
+                        ),
+                        "unmatched_tokens_per_request": statistics.mean(
+                            r.prompt_tokens - r.hybridkv["matched"] for _, _, r in flat
+                        )
+                        if config == "hybridkv"
+                        else None,
                         # hybridkv only: the connector's milliseconds per request (hooks and lookup
                         # waits on the engine loop, page copies, lookups and writes on their threads)
                         **dict.fromkeys(CONNECTOR_FIELDS),
@@ -512,6 +523,14 @@ def _cold_cells(row: dict, base: dict) -> str:
     )
 
 
+def _token_cells(row: dict, base: dict) -> str:
+    """Computed and unmatched tokens against align mode's computed tokens (— where not recorded)."""
+    computed = base.get("computed_tokens_per_request")
+    if not computed or row.get("unmatched_tokens_per_request") is None:
+        return "— | —"
+    return f"{row['computed_tokens_per_request'] / computed:.2f} | {row['unmatched_tokens_per_request'] / computed:.2f}"
+
+
 def report(summary: dict) -> str:
     shape = summary["shape"]
     blocks = sorted({r["block_size"] for r in summary["rows"]})
@@ -623,11 +642,15 @@ def report(summary: dict) -> str:
         "throughput at 16 clients ≥ 1). Cold requests are those on which no cached configuration reused a "
         "token (a prefix seen for the first time): every configuration prefills them in full, so their share "
         "of hybridkv's TTFT is a cost no cache removes; `rest` is the ratio over the other requests, and "
-        "`cold / align` compares what the two configurations spent on the same cold requests.",
+        "`cold / align` compares what the two configurations spent on the same cold requests. Computed tokens "
+        "are prompt tokens not reused (hybridkv's include its replay); unmatched ones, those no stored prefix "
+        "matched, which every configuration computes: their ratio to align mode's computed tokens is what any "
+        "budget leaves where TTFT follows the tokens computed (many clients on few cores).",
         "",
         "| workload | clients | budget | TTFT / align mode | throughput / align mode | cold requests | "
-        "hybridkv's TTFT on them | cold / align | TTFT / align mode, rest |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "hybridkv's TTFT on them | cold / align | TTFT / align mode, rest | computed tokens / align mode | "
+        "unmatched / align mode's computed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     align = {(r["workload"], r["clients"]): r for r in summary["rows"] if r["config"] == "vllm-prefix-cache"}
     for row in summary["rows"]:
@@ -635,7 +658,11 @@ def report(summary: dict) -> str:
             lines.append(
                 f"| {row['workload']} | {row['clients']} | {row['budget']} | "
                 f"{row['ttft_mean_s'] / base['ttft_mean_s']:.2f} | "
-                f"{row['throughput_rps'] / base['throughput_rps']:.2f} | " + _cold_cells(row, base) + " |"
+                f"{row['throughput_rps'] / base['throughput_rps']:.2f} | "
+                + _cold_cells(row, base)
+                + " | "
+                + _token_cells(row, base)
+                + " |"
             )
     lines.append("")
     return "\n".join(lines)
