@@ -204,8 +204,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--lengths", type=INTS, default="4096", help="target prompt lengths in tokens")
     run.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    run.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
-    _add_device_options(run)
+    _add_model_options(run)
     run.add_argument(
         "--data",
         default=None,
@@ -261,8 +260,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=defaults,
     )
-    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
-    _add_device_options(calibrate)
+    _add_model_options(calibrate)
     _add_fields(calibrate, CalibrateConfig)
     calibrate.add_argument("--out", type=Path, default=None, help="output file (default: beside a checkpoint)")
 
@@ -279,8 +277,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=defaults,
     )
-    probe.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
-    _add_device_options(probe)
+    _add_model_options(probe)
     _add_fields(probe, ProbeConfig, workload={"choices": WORKLOADS})
     _add_output_options(probe, "out/probe")
 
@@ -604,6 +601,12 @@ def _arena(args: argparse.Namespace) -> None:
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     write_summary()
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model and where it runs (`_add_device_options`)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in model or checkpoint directory")
+    _add_device_options(parser)
 
 
 def _add_device_options(parser: argparse.ArgumentParser) -> None:

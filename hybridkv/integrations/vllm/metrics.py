@@ -114,20 +114,21 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
         for name, doc in COUNTERS.items():
             metric = self._counter_cls(name=f"vllm:hybridkv_{name}", documentation=doc, labelnames=labelnames)
             self.counters[name] = {i: metric.labels(*values) for i, values in per_engine_labelvalues.items()}
-        replay = self._histogram_cls(
-            name="vllm:hybridkv_replay_tokens",
-            documentation="Matched tokens each hit recomputed (its tail replay), per hit.",
-            buckets=list(REPLAY_BUCKETS),
-            labelnames=labelnames,
+
+        def histogram(name: str, documentation: str, buckets) -> dict:  # one child per engine
+            metric = self._histogram_cls(
+                name=f"vllm:hybridkv_{name}", documentation=documentation, buckets=list(buckets), labelnames=labelnames
+            )
+            return {i: metric.labels(*values) for i, values in per_engine_labelvalues.items()}
+
+        self.replay = histogram(
+            "replay_tokens", "Matched tokens each hit recomputed (its tail replay), per hit.", REPLAY_BUCKETS
         )
-        self.replay = {i: replay.labels(*values) for i, values in per_engine_labelvalues.items()}
-        kl = self._histogram_cls(
-            name="vllm:hybridkv_shadow_kl",
-            documentation="KL(exact || served recipe) of each shadow check's first-token distribution, in nats.",
-            buckets=list(SHADOW_KL_BUCKETS),
-            labelnames=labelnames,
+        self.shadow_kl = histogram(
+            "shadow_kl",
+            "KL(exact || served recipe) of each shadow check's first-token distribution, in nats.",
+            SHADOW_KL_BUCKETS,
         )
-        self.shadow_kl = {i: kl.labels(*values) for i, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
