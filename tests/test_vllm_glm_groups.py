@@ -231,7 +231,7 @@ def save(engine: Engine, prompt: list[int], blocks: dict[int, list[int]]) -> Non
     engine.worker.bind_connector_metadata(HybridKVMetadata(saves=[op]))
     engine.worker.wait_for_save()
     engine.worker.clear_connector_metadata()
-    assert engine.worker._writer.drain(timeout=30)
+    assert engine.worker._side._writer.drain(timeout=30)
 
 
 def look_up(engine: Engine, req) -> int:
@@ -285,13 +285,13 @@ def test_vllm_groups_glm_caches_as_the_connector_expects(engine, kv_cache_config
     assert sorted(groups[attention].layer_names) == sorted(
         n for n in glm_layer_specs() if n.endswith((".attn", ".indexer.k_cache"))
     )
-    for side in (engine.worker, engine.scheduler):
+    for side in (engine.worker._side, engine.scheduler._side):
         assert side.attention_groups == {attention: groups[attention].layer_names}
         assert side.ring_groups == {rings[0]: groups[rings[0]].layer_names}
         assert side.pool_alignment == POOL
-    assert engine.worker.blocks.fingerprint == engine.scheduler.blocks.fingerprint
-    worker_sizes, _ = engine.worker._layouts()
-    scheduler_sizes, _ = engine.scheduler._layouts()
+    assert engine.worker._side.blocks.fingerprint == engine.scheduler._side.blocks.fingerprint
+    worker_sizes, _ = engine.worker._side._layouts()
+    scheduler_sizes, _ = engine.scheduler._side._layouts()
     assert worker_sizes["model.layers.3.self_attn.attn"] == BLOCK * LATENT_BYTES[latent_cache]
     assert worker_sizes["model.layers.3.self_attn.indexer.k_cache"] == BLOCK // POOL * (INDEX_HEAD_DIM + 4)
     assert set(scheduler_sizes.values()) == {None}  # its config shows the latent's spec for the indexer too
@@ -311,8 +311,8 @@ def test_a_zero_state_resume_restores_every_slab_byte_clears_the_ring_and_zeroes
     req = request("b", prompt)
     start = look_up(engine, req)
     # Without the pool grid the saved prompt's own checkpoint at 300 would be used, exactly:
-    attention_layout, state_layout = engine.scheduler._layouts()
-    ungridded = engine.scheduler.blocks.resume(prompt, attention_layout, state_layout, Budget(fraction=BUDGET))
+    attention_layout, state_layout = engine.scheduler._side._layouts()
+    ungridded = engine.scheduler._side.blocks.resume(prompt, attention_layout, state_layout, Budget(fraction=BUDGET))
     assert (ungridded.start, ungridded.states is not None) == (300, True)
     # On it: the budget's tail (5% of 300) and down to the pool boundary before it, from zero states.
     want = (300 - round(BUDGET * 300)) // POOL * POOL
@@ -373,19 +373,19 @@ def test_verified_pages_held_for_unadmitted_requests_are_capped_in_bytes(vllm_co
             save(engine, second, request_blocks(engine, first=10, count=3))
             a, b = request("a", first + tokens(20, seed=42)), request("b", second + tokens(20, seed=43))
             assert look_up(engine, a) == len(first)  # a's pages are held until a is admitted
-            held = engine.scheduler.held_bytes
+            held = engine.scheduler._side.held_bytes
             one_request_mib = held / 2**20
             if cap_mib is None:
                 assert look_up(engine, b) == len(second)  # well under 1 GiB: b is looked up at once
-                assert engine.scheduler.held_bytes > held
+                assert engine.scheduler._side.held_bytes > held
                 continue
             assert held > cap_mib * 2**20
             for _ in range(3):  # over the cap: b waits, however often vLLM asks
                 assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (None, False)
                 time.sleep(0.05)
-            assert engine.scheduler.lookups_in_flight == 0  # b's lookup was never submitted
+            assert engine.scheduler._side.lookups_in_flight == 0  # b's lookup was never submitted
             done, failed = load(engine, a, len(first), request_blocks(engine, first=20, count=3))
-            assert done == {"a"} and not failed and engine.scheduler.held_bytes == 0
+            assert done == {"a"} and not failed and engine.scheduler._side.held_bytes == 0
             assert look_up(engine, b) == len(second)  # a's pages left with its load: b goes on
         finally:
             engine.worker.shutdown()
@@ -402,7 +402,7 @@ def test_a_load_off_the_pool_grid_fails_and_writes_nothing(engine):
     worker reports the load failed (vLLM recomputes the request) before it writes a byte."""
     (attention,) = engine.groups_of(MLAAttentionSpec)
     blocks = request_blocks(engine, first=1, count=1)
-    page_sizes, _ = engine.worker._layouts()
+    page_sizes, _ = engine.worker._side._layouts()
     pages = {name: torch.zeros(size, dtype=torch.uint8) for name, size in page_sizes.items()}
     op = LoadOp("d", [pages], None, {attention: blocks[attention]}, {}, start=100)
     scramble(engine.raw, seed=9)
@@ -418,7 +418,7 @@ def test_a_stored_page_of_another_size_fails_the_load(engine):
     worker does, and a page of the wrong size fails its load instead of being broadcast."""
     (attention,) = engine.groups_of(MLAAttentionSpec)
     blocks = request_blocks(engine, first=1, count=1)
-    page_sizes, _ = engine.worker._layouts()
+    page_sizes, _ = engine.worker._side._layouts()
     pages = {
         name: torch.zeros(1 if "k_cache" in name else size, dtype=torch.uint8) for name, size in page_sizes.items()
     }
@@ -466,9 +466,9 @@ def test_plain_groups_keep_their_keys_and_their_grid(vllm_config, tmp_path):
     ]
     connector = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, KVCacheConfig(4, [], groups))
     before = [(type(g.kv_cache_spec).__name__, 640, g.kv_cache_spec.page_size_bytes, g.layer_names) for g in groups]
-    assert connector.blocks.fingerprint == engine_fingerprint("glm5next-shaped", before, str(torch.bfloat16))
-    assert connector.pool_alignment == 1 and connector.ring_groups == {}
-    assert connector._layouts() == (
+    assert connector._side.blocks.fingerprint == engine_fingerprint("glm5next-shaped", before, str(torch.bfloat16))
+    assert connector._side.pool_alignment == 1 and connector._side.ring_groups == {}
+    assert connector._side._layouts() == (
         {"model.layers.3.self_attn.attn": 640 * 2 * 2 * 64 * 2},
         dict.fromkeys(groups[1].layer_names, states.real_page_size_bytes),
     )

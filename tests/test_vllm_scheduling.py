@@ -131,7 +131,7 @@ def save(engine: Engine, prompt: list[int], blocks: dict[int, list[int]]) -> Non
     states = {g: blocks[g][0] for g in engine.groups_of(MambaSpec)}
     op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in attention_groups(engine)}, states)
     step_worker(engine, HybridKVMetadata(saves=[op]))
-    assert engine.worker._writer.drain(timeout=30)
+    assert engine.worker._side._writer.drain(timeout=30)
 
 
 def test_a_hit_the_scheduler_verified_is_loaded_before_the_forward_that_computes_from_it(engine):
@@ -197,14 +197,14 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reus
     assert look_up(engine, request("a", first)) == 0  # a miss: a will compute the prefix
     second = request("b", shared + tokens(30, 5))
     assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # same step as a's answer
-    assert scheduler.lookups_in_flight == 0  # no lookup while a computes the prefix it wants
+    assert scheduler._side.lookups_in_flight == 0  # no lookup while a computes the prefix it wants
     first_blocks = request_blocks(engine, 0, 6)
     scheduler.build_connector_meta(scheduled(new=[("a", first, first_blocks, BLOCK)]))  # a's first chunk
     assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
     other_tenant = request("c", shared + tokens(30, 6))
     other_tenant.cache_salt = "tenant-2"  # a's pages are not its own: nothing to wait for
     assert look_up(engine, other_tenant) == 0
-    short = request("d", shared[: scheduler.WAIT_FOR_PREFIX_TOKENS - 1] + tokens(600, 7))
+    short = request("d", shared[: scheduler._side.WAIT_FOR_PREFIX_TOKENS - 1] + tokens(600, 7))
     assert look_up(engine, short) == 0  # too little in common to wait for
 
     # a's last prefill step: the scheduler sends its save; b waits until the worker says it is done
@@ -212,7 +212,7 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reus
     assert [save.req_id for save in meta.saves] == ["a"]
     assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
     step_worker(engine, meta)
-    assert engine.worker._writer.drain(timeout=30)
+    assert engine.worker._side._writer.drain(timeout=30)
     assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # the notice comes with a step
     report_back(engine)
     assert look_up(engine, second) > 4 * BLOCK  # a's pages, but for its budget's tail
@@ -225,7 +225,7 @@ def test_a_next_turn_sent_while_the_last_ones_pages_are_written_waits_for_them(e
     waits the milliseconds it takes instead of missing those pages."""
     scheduler = engine.scheduler
     turn = tokens(3 * BLOCK, 20)
-    assert 3 * BLOCK < scheduler.WAIT_FOR_PREFIX_TOKENS
+    assert 3 * BLOCK < scheduler._side.WAIT_FOR_PREFIX_TOKENS
     last = request("a", turn)
     assert look_up(engine, last) == 0
     meta = scheduler.build_connector_meta(scheduled(new=[("a", turn, request_blocks(engine, 0, 4), len(turn))]))
@@ -235,7 +235,7 @@ def test_a_next_turn_sent_while_the_last_ones_pages_are_written_waits_for_them(e
     following = request("b", turn + tokens(40, 21))  # the reply and the next message
     assert scheduler.get_num_new_matched_tokens(following, 0) == (None, False)
     step_worker(engine, meta)
-    assert engine.worker._writer.drain(timeout=30)
+    assert engine.worker._side._writer.drain(timeout=30)
     report_back(engine)
     assert look_up(engine, following) > 2 * BLOCK  # a's pages, but for its budget's tail
 

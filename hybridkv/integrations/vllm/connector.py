@@ -40,7 +40,6 @@ before, so only a layout mismatch can) then recomputes the request instead of fa
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -102,12 +101,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._side = SchedulerSide(config, groups, blocks, max_num_seqs, model.model, dtype)
         else:
             self._side = WorkerSide(config, groups, blocks)
-
-    def __getattr__(self, name: str) -> Any:
-        side = self.__dict__.get("_side")  # absent while __init__ runs
-        if side is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(side, name)
 
     @property
     def _scheduler(self) -> SchedulerSide:
