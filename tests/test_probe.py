@@ -104,3 +104,9 @@ def test_probe_writes_beside_a_checkpoint_and_the_arena_report_shows_it(tmp_path
 def test_probe_refuses_a_task_it_does_not_know(models):
     with pytest.raises(HybridKVError, match="unknown ruler task"):
         run_probe(models["tiny-qwen3-next"], load_tokenizer("tiny-qwen3-next"), ProbeConfig(tasks=["nope"]))
+
+
+def test_a_length_the_workload_cannot_fill_is_one_line(models):
+    config = ProbeConfig(workload="multi-turn", tasks=["multi-turn"], length=1024, samples=1)
+    with pytest.raises(HybridKVError, match=r"^probe: multi-turn multi-turn at 1024 tokens: .*cannot hold"):
+        run_probe(models["tiny-qwen3-next"], load_tokenizer("tiny-qwen3-next"), config)

@@ -306,11 +306,12 @@ def run_probe(model: HybridModel, tokenizer, config: ProbeConfig, show_progress:
         known = ", ".join(workload.tasks)
         raise HybridKVError(f"unknown {config.workload} task(s) {', '.join(unknown)}; known: {known}")
     prober = Prober(model, tokenizer, config)
-    samples = [
-        s
-        for task in config.tasks
-        for s in workload.generate(task, config.length, config.samples, tokenizer, config.seed, None)
-    ]
+    samples = []
+    for task in config.tasks:
+        try:
+            samples += workload.generate(task, config.length, config.samples, tokenizer, config.seed, None)
+        except ValueError as err:  # a generator's refusal (a length too short for the task)
+            raise HybridKVError(f"probe: {config.workload} {task} at {config.length} tokens: {err}") from None
     probes: dict[str, list[SampleProbe]] = {task: [] for task in config.tasks}
     skipped: dict[str, int] = dict.fromkeys(config.tasks, 0)
     for sample in tqdm(samples, desc="probe", disable=not show_progress):
