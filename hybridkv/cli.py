@@ -396,6 +396,8 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _probe(args: argparse.Namespace) -> None:
+    import shutil
+
     from hybridkv.eval.probe import PROBE_FILE, ProbeConfig, run_probe
     from hybridkv.models.tokenizer import load_tokenizer
     from hybridkv.report.probe_report import probe_tables, write_probe
@@ -408,9 +410,7 @@ def _probe(args: argparse.Namespace) -> None:
     print("\n".join(probe_tables(summary)))
     written = list(write_probe(summary, args.out))
     if Path(args.model).is_dir():  # kept beside the checkpoint, where arena reports look for it
-        beside = Path(args.model) / PROBE_FILE
-        beside.write_text(json.dumps(summary, indent=1) + "\n")
-        written.append(beside)
+        written.append(shutil.copyfile(written[0], Path(args.model) / PROBE_FILE))
     print(f"\nwrote {', '.join(map(str, written))}")
 
 

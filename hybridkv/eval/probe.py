@@ -30,7 +30,15 @@ from statistics import mean
 import torch
 from tqdm import tqdm
 
-from hybridkv.cache import CachedMatch, LinearStates, PromptKV, assemble_cache, capture_prompt, zero_states
+from hybridkv.cache import (
+    CachedMatch,
+    CachedPrompt,
+    LinearStates,
+    PromptKV,
+    assemble_cache,
+    capture_prompt,
+    zero_states,
+)
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
 from hybridkv.eval.workloads import get_workload
@@ -116,9 +124,10 @@ class Prober:
         self.config = config
         self.workload = get_workload(config.workload)
 
-    def _prefill(self, tokens: list[int]) -> Pieces:
+    def _prefill(self, tokens: list[int]) -> tuple[CachedPrompt, Pieces]:
+        """The context prefilled once: as a cached prompt (tail-replay's hit) and as its pieces."""
         cached = capture_prompt(self.model, torch.tensor(tokens, dtype=torch.long), len(tokens))
-        return Pieces(cached.attention, cached.checkpoints[len(tokens)])
+        return cached, Pieces(cached.attention, cached.checkpoints[len(tokens)])
 
     def _answer(self, kv: PromptKV | None, states: LinearStates, question: list[int], steps: int) -> list[int]:
         cache = assemble_cache(self.model, kv, states)
@@ -159,7 +168,7 @@ class Prober:
         result.full = self._scores(sample, tokens, other)[0]
         if result.full < 1.0:
             return result  # the model does not solve it: nothing to attribute
-        true, fake = self._prefill(context), self._prefill(self.tokenizer.encode(swapped))
+        (cached, true), (_, fake) = self._prefill(context), self._prefill(self.tokenizer.encode(swapped))
         zero = zero_states(self.model)
         runs = {
             "resumed": (true.kv, true.states),
@@ -178,7 +187,6 @@ class Prober:
                     sample, self._answer(true.kv, {**true.states, layer: fake.states[layer]}, question, steps), other
                 ),
             }
-        cached = capture_prompt(self.model, torch.tensor(context, dtype=torch.long))
         hit = CachedMatch(cached, len(context))
         replay = METHODS["tail-replay"]
         for budget in self.config.budgets:
@@ -213,9 +221,10 @@ def find_probe(model: str, run_dir: Path | None = None) -> dict | None:
         if path.is_file():
             try:
                 summary = json.loads(path.read_text())
-                summary["reads_from"], summary["tasks"]  # noqa: B018 - a probe has both
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+            except json.JSONDecodeError as err:
                 raise HybridKVError(f"{path}: not a hybridkv probe ({err})") from None
+            if not isinstance(summary, dict) or not {"reads_from", "tasks", "config"} <= summary.keys():
+                raise HybridKVError(f"{path}: not a hybridkv probe (no verdict, tasks and config)")
             return summary
     return None
 

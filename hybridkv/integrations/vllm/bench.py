@@ -41,6 +41,7 @@ from hybridkv.integrations.vllm.serve import (
     Reply,
     Server,
     ServerSpec,
+    metric_totals,
     run_sessions,
     settle_shadow_checks,
 )
@@ -240,7 +241,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                 run = {"block_size": block_size, "results": {}}
                 for (name, clients), runs in sessions.items():
                     progress.set_postfix_str(f"{label}: {name}, {clients} clients")
-                    before = _connector_totals(servers) if config == "hybridkv" else None
+                    before = metric_totals(servers) if config == "hybridkv" else None
                     replies, wall = _run(urls, runs, clients, plan, progress.update)
                     requests = sum(len(s) for s in runs)
                     spent = _connector_spent(servers, before, requests) if before is not None else None
@@ -261,14 +262,6 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
 _SECONDS = ("hook_seconds", "wait_seconds", "copy_seconds", "lookup_seconds", "write_seconds")
 
 
-def _connector_totals(servers: list[Server]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for server in servers:
-        for name, value in server.metrics().items():
-            totals[name] = totals.get(name, 0.0) + value
-    return totals
-
-
 def _connector_spent(servers: list[Server], before: dict[str, float], requests: int) -> dict[str, float] | None:
     """Milliseconds per request of the connector's hooks, copies and lookups over one run, from
     its counters on the servers' /metrics (read again for a few seconds, until every request's
@@ -277,7 +270,7 @@ def _connector_spent(servers: list[Server], before: dict[str, float], requests: 
 
     deadline = time.monotonic() + 10
     while True:
-        after = _connector_totals(servers)
+        after = metric_totals(servers)
         looked_up = after.get("vllm:hybridkv_lookups_total", 0) - before.get("vllm:hybridkv_lookups_total", 0)
         if looked_up >= requests:
             break

@@ -355,7 +355,7 @@ class SchedulerSide(ConnectorSide):
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
         hit = self._hits.get(request.request_id)
         # served from zero states: its load went out (the pages left the hit) and was not undone
-        zero_state_resume = hit is not None and hit.start > 0 and hit.zero_state and hit.resume is None
+        zero_state_resume = hit is not None and hit.zero_state and hit.resume is None
         info = self._forget(request.request_id)
         if self._shadow is not None and zero_state_resume:
             self._queue_shadow_check(request, hit.start)

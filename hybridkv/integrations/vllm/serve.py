@@ -204,6 +204,15 @@ class Server:
         return int(found.group(1))
 
 
+def metric_totals(servers: list[Server]) -> dict[str, float]:
+    """The servers' `vllm:hybridkv_*` series, each summed over the servers."""
+    totals: dict[str, float] = {}
+    for server in servers:
+        for name, value in server.metrics().items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
 SHADOW_SETTLED = ("vllm:hybridkv_shadow_checks_total", "vllm:hybridkv_shadow_failed_total")
 
 
@@ -227,10 +236,7 @@ def settle_shadow_checks(servers: list[Server], timeout_s: float = 300.0) -> dic
                         "cache_salt": f"hybridkv-settle-{uuid.uuid4().hex}"}  # fmt: skip
                 client.post(f"{server.url}/v1/completions", json=body)
             time.sleep(0.5)
-            totals: dict[str, float] = {}
-            for server in servers:
-                for name, value in server.metrics().items():
-                    totals[name] = totals.get(name, 0.0) + value
+            totals = metric_totals(servers)
             settled = sum(totals.get(name, 0.0) for name in SHADOW_SETTLED)
             if settled >= totals.get("vllm:hybridkv_shadow_queued_total", 0.0):
                 return totals
