@@ -330,3 +330,18 @@ def test_two_documents_ask_as_agent_reports_asks_and_answer_from_two_documents()
         assert tokenizer.decode(example.tokens[start:end]).startswith(f" {v1}, and the surveyed population")
         seen += 1
     assert seen >= 3
+
+
+def test_updates_ask_for_the_last_setting_of_a_record_set_more_than_once():
+    tokenizer = ByteTokenizer()
+    question = re.compile(
+        r"\nWhat is the current special magic (\w+) for (\S+)\? The current special magic \w+ for \S+ is$"
+    )
+    for index in range(30):
+        example = data.example(0, "train", 1, index, 1024, data.task_table(("updates:1",)))
+        start, end = example.answers[0]
+        prompt = tokenizer.decode(example.tokens[:start])
+        noun, key = question.search(prompt).groups()
+        settings = re.findall(rf"The special magic {noun} for {re.escape(key)} is set to (\S+)\.", prompt)
+        assert len(settings) >= 2 and len(set(settings)) == len(settings)
+        assert tokenizer.decode(example.tokens[start:end]) == f" {settings[-1]}.\n"

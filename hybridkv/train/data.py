@@ -272,6 +272,40 @@ def niah(rng: random.Random, length: int) -> Example | None:
     return _assemble(f"niah_{shape}", head, units, needles, sep, [(question, answer)], length)
 
 
+def updates(rng: random.Random, length: int) -> Example | None:
+    """A record set and later set again, two to four times, among other records; the question asks
+    for the value now, i.e. the last one set. Documents revise what they state (a changelog, a chat
+    where a figure is corrected, a variable reassigned), and the latest statement wins. GLM-5.3-Flash's
+    NoPE MLA layers cannot tell a later statement from an earlier one by themselves: their sense of
+    order comes only from the KDA layers' states, so this is the skill a zeroed state should cost."""
+    type_k = rng.choice(("words", "words", "uuids"))
+    type_v = rng.choice(("numbers", "numbers", "words"))
+    noun = type_v[:-1]
+    taken: set[str] = set()
+    keys = [_distinct(lambda: _key(type_k, rng), taken) for _ in range(rng.randint(1, 4))]
+    inserts = []
+    for key in keys:
+        settings = [_distinct(lambda: _value(type_v, rng), taken) for _ in range(rng.randint(2, 4))]
+        fractions = sorted(rng.random() for _ in settings)
+        inserts += [
+            (f, f"The special magic {noun} for {key} is set to {v}.") for f, v in zip(fractions, settings, strict=True)
+        ]
+        if key == keys[0]:
+            gold = settings[-1]
+    head = (
+        f"Special magic {type_v} are set within the following text, and some are set again later; the latest "
+        f"setting counts. I will quiz you about the current {type_v} afterwards.\n"
+    )
+    question = (
+        f"\nWhat is the current special magic {noun} for {keys[0]}? The current special magic {noun} for {keys[0]} is"
+    )
+    haystack = rng.choice(("prose", "noise", "code"))
+    sep = " " if haystack == "prose" else "\n"
+    return _assemble(
+        "updates", head, _haystack(haystack, length, rng), inserts, sep, [(question, f" {gold}.\n")], length
+    )
+
+
 def recall(rng: random.Random, length: int) -> Example | None:
     """Many needles, then one short question and answer per needle, in shuffled order: dense
     supervision for the lookup every needle task needs; the last question is the full one.
@@ -563,6 +597,8 @@ TASKS: dict[str, tuple[float, Generator]] = {
     # The same documents, with a question about two titles whenever there are three documents or
     # more, asked as `agent-reports` asks (two facts from two documents, each title restated).
     "two-documents": (0.0, functools.partial(documents, two_titles=1.0, restated=True)),
+    # A record set again later, the latest setting asked (named with a weight, like documents).
+    "updates": (0.0, updates),
 }
 
 
