@@ -14,7 +14,7 @@ from transformers.models.glm5_next import modeling_glm5_next
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.workloads import agent_reports, rag, ruler
 from hybridkv.models import load_model
-from hybridkv.models.tokenizer import ByteTokenizer
+from hybridkv.models.tokenizer import ByteTokenizer, load_tokenizer
 from hybridkv.train import data
 from hybridkv.train.indexer import attention_by_pool, index_scores
 from hybridkv.train.kernels import chunk_kda_solve, fast_linear_kernels
@@ -271,6 +271,10 @@ def test_a_shape_override_trains_exports_and_loads_as_that_shape(tmp_path):
     model = load_model(str(export(tmp_path / "run", "tiny-test", root=tmp_path / "weights")))
     assert model.config.kv_lora_rank == 96 and model.config.layer_types == shape["layer_types"]
     assert model.description.linear_layers == [0, 2] and model.description.attention_layers == [1, 3]
+    # The run's own checkpoint loads as it is, with the byte tokenizer it was trained on (no export).
+    checkpoint = tmp_path / "run" / "checkpoint"
+    assert isinstance(load_tokenizer(str(checkpoint)), ByteTokenizer)
+    assert load_model(str(checkpoint)).config.layer_types == shape["layer_types"]
     with pytest.raises(HybridKVError, match="no config field kv_lora_rnk"):
         train(dataclasses.replace(run, run_dir=tmp_path / "bad", shape={"kv_lora_rnk": 96}))
     assert not (tmp_path / "bad").exists()

@@ -79,6 +79,10 @@ def load_tokenizer(name_or_dir: str) -> Tokenizer:
         # on the byte tokenizer, which it does not copy.
         if (path / "training.json").is_file():
             return ByteTokenizer(TINY_VOCAB)
+        # A run's own checkpoint (RUN_DIR/checkpoint beside RUN_DIR/train_config.json), read before
+        # any export: a probe or arena run on it needs no copy.
+        if (path / "state.json").is_file() and (path.parent / "train_config.json").is_file():
+            return ByteTokenizer(TINY_VOCAB)
         # transformers would hand back a tokenizer that encodes every text to nothing.
         raise HybridKVError(f"{path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) and not a model hybridkv train wrote")
     raise HybridKVError(f"unknown model {name_or_dir!r}: not a directory and not one of {', '.join(BUILTIN_MODELS)}")
