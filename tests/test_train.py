@@ -14,7 +14,7 @@ from transformers.models.glm5_next import modeling_glm5_next
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.workloads import agent_reports, rag, ruler
 from hybridkv.models import load_model
-from hybridkv.models.tokenizer import ByteTokenizer, load_tokenizer
+from hybridkv.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from hybridkv.train import data
 from hybridkv.train.indexer import attention_by_pool, index_scores
 from hybridkv.train.kernels import chunk_kda_solve, fast_linear_kernels
@@ -228,6 +228,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_and_exports_a_loadable_model
     assert (straight / "loss.png").stat().st_size > 0
 
     target = export(straight, "tiny-test", root=tmp_path / "weights")
+    assert isinstance(load_tokenizer(str(target)), HFTokenizer)  # the tokenizer.json it ships
     model = load_model(str(target))
     assert model.config.model_type == "glm5_next_text"
     card = json.loads((target / "training.json").read_text())

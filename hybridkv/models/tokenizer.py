@@ -7,6 +7,7 @@ sit the special tokens. Every tiny model has a 512-token vocabulary, which holds
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +43,37 @@ class ByteTokenizer:
         # Ids outside the byte range (specials, or unused ids a model may still emit) are dropped.
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """`ByteTokenizer` as files any Hugging Face loader reads (tokenizer.json for the `tokenizers`
+    library, tokenizer_config.json for transformers and vLLM): byte-level pieces with no merges, so
+    every UTF-8 byte b is id b + OFFSET and the specials sit at 0, 1, 2, as `ByteTokenizer` has them.
+    The one difference: a text holding a special token's own string ("</s>") encodes it as that id."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Built
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    pieces = bytes_to_unicode()  # the byte-level pre-tokenizer's printable stand-in for each byte
+    vocab = specials | {pieces[b]: b + ByteTokenizer.OFFSET for b in range(256)}
+    built = Built(models.BPE(vocab=vocab, merges=[]))
+    built.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    built.decoder = decoders.ByteLevel()
+    built.add_special_tokens([AddedToken(text, special=True) for text in specials])
+    directory.mkdir(parents=True, exist_ok=True)
+    built.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 class HFTokenizer:

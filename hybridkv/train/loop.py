@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.loader import read_with_head, write_with_head
+from hybridkv.models.tokenizer import write_byte_tokenizer
 from hybridkv.train import data
 from hybridkv.train.indexer import IndexerRecorder, indexer_loss
 from hybridkv.train.kernels import fast_linear_kernels
@@ -269,6 +270,8 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     for file in ("config.json", "model.safetensors"):
         shutil.copyfile(checkpoint / file, target / file)
+    # The byte tokenizer as files, so Hugging Face loaders (vLLM's server among them) take text.
+    write_byte_tokenizer(target)
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     last_step = json.loads((checkpoint / "state.json").read_text())["step"]
     # A stretch that ended between checkpoints logged steps the next stretch ran again: the last
