@@ -107,13 +107,11 @@ def load_tokenizer(name_or_dir: str) -> Tokenizer:
     if path.is_dir():
         if any((path / name).is_file() for name in TOKENIZER_FILES):
             return HFTokenizer(path)
-        # A model `hybridkv train --export` wrote (its training.json beside the weights) was trained
-        # on the byte tokenizer, which it does not copy.
-        if (path / "training.json").is_file():
-            return ByteTokenizer(TINY_VOCAB)
-        # A run's own checkpoint (RUN_DIR/checkpoint beside RUN_DIR/train_config.json), read before
-        # any export: a probe or arena run on it needs no copy.
-        if (path / "state.json").is_file() and (path.parent / "train_config.json").is_file():
+        # `hybridkv train` trains on the byte tokenizer: a model it exported before exports wrote
+        # tokenizer files (training.json beside the weights), or a run's own RUN_DIR/checkpoint
+        # (beside RUN_DIR/train_config.json), which a probe or arena run may read without an export.
+        exported = (path / "training.json").is_file()
+        if exported or ((path / "state.json").is_file() and (path.parent / "train_config.json").is_file()):
             return ByteTokenizer(TINY_VOCAB)
         # transformers would hand back a tokenizer that encodes every text to nothing.
         raise HybridKVError(f"{path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) and not a model hybridkv train wrote")
