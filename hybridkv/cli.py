@@ -219,6 +219,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "architecture and size as --model, which answers (default: --model builds them)",
     )
     run.add_argument("--seed", type=int, default=0, help="seed for the samples and a random model's weights")
+    run.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "vllm"],
+        help="transformers: the harness answers in this process; vllm: each method is a real `vllm serve` "
+        "(no-cache for full and no-context, vLLM's prefix cache, HybridKVConnector for tail-replay, "
+        "horizon-replay and checkpoint) answering the same samples; its methods default to all of those, "
+        "its budgets to 0.05,0.2,1.0 (--model: a checkpoint directory vLLM serves)",
+    )
     _add_output_options(run, "out/arena", "output directory (resumed if it exists)")
     score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
     score.add_argument("out", type=Path)
@@ -559,8 +568,19 @@ def _arena(args: argparse.Namespace) -> None:
     workload = get_workload(args.workload)
     methods = args.methods
     budgets = args.budgets
-    for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
-        get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
+    served = args.engine == "vllm"
+    if served:
+        from hybridkv.integrations.vllm.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS, served_grid
+
+        defaults = ArenaPlan()
+        methods = list(DEFAULT_SERVED_METHODS) if methods == defaults.methods else methods
+        budgets = list(DEFAULT_SERVED_BUDGETS) if budgets == defaults.budgets else budgets
+        served_grid(ArenaPlan(args.workload, methods, budgets), horizon=lambda: 0)  # bad names fail here
+        if not Path(args.model).is_dir():
+            raise HybridKVError(f"--engine vllm serves a checkpoint directory; {args.model} is not one")
+    else:
+        for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
+            get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
     tasks = args.tasks if args.tasks else list(workload.default_tasks)
     if unknown := [t for t in tasks if t not in workload.tasks]:
         raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.tasks)}")
@@ -568,7 +588,7 @@ def _arena(args: argparse.Namespace) -> None:
 
     run_options = dict(model=args.model, cache_model=args.cache_model, dtype=args.dtype, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, workload=args.workload, tasks=tasks, lengths=args.lengths,
-                       samples=args.samples, data=args.data)  # fmt: skip
+                       samples=args.samples, data=args.data, engine=args.engine)  # fmt: skip
     check_resume(args.out, **run_options)  # before the frozen samples are trusted or a model is loaded
     tokenizer = load_tokenizer(args.model)
     frozen = args.out / "samples.jsonl"
@@ -587,6 +607,18 @@ def _arena(args: argparse.Namespace) -> None:
             raise HybridKVError(f"no {args.workload} samples to run (see the messages above)")
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
+    if served:
+        from hybridkv.integrations.vllm.arena import run_served_arena
+        from hybridkv.integrations.vllm.bench import ensure_calibrated
+
+        record_run(args.out, device="vllm serve (cpu)", **run_options)
+        run_served_arena(
+            args.model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), args.out, workload.score,
+            horizon=lambda: _horizon(ensure_calibrated(args.model), args.model),
+            show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
+        write_summary()
+        return
     model = _load(args)
     record_run(args.out, device=str(model.device), **run_options)
     cache_model = None
@@ -601,6 +633,13 @@ def _arena(args: argparse.Namespace) -> None:
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     write_summary()
+
+
+def _horizon(calibration: dict, model: str) -> int:
+    """The calibrated forgetting horizon horizon-replay replays (refused when calibration found none)."""
+    if calibration.get("horizon") is None:
+        raise HybridKVError(f"{model}: its calibration found a layer remembering past its sample; no horizon to replay")
+    return int(calibration["horizon"])
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def versions() -> dict[str, str]:
 # models, prompts or answer caps. Each key with the `arena run` option that sets it.
 RUN_OPTIONS = {"model": "--model", "cache_model": "--cache-model", "dtype": "--dtype", "seed": "--seed",
                "max_new_tokens": "--max-new-tokens", "workload": "--workload", "tasks": "--tasks",
-               "lengths": "--lengths", "samples": "--samples", "data": "--data"}  # fmt: skip
+               "lengths": "--lengths", "samples": "--samples", "data": "--data", "engine": "--engine"}  # fmt: skip
 
 
 def _options(run: dict, keys: list[str]) -> str:

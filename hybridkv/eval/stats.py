@@ -108,6 +108,11 @@ def paired_bootstrap_diff_ci(
     return _percentile_ci(_resampled_means(diffs, n_resamples, seed)[0], alpha)
 
 
+def bootstrap_mean_ci(values: Sequence[float], n_resamples: int = 2000, seed: int = 0, alpha: float = 0.05):
+    """Percentile (1 − alpha) CI of mean(values) over resamples of the samples."""
+    return _percentile_ci(_resampled_means(_paired(values), n_resamples, seed)[0], alpha)
+
+
 def sign_test(a: Sequence[float], b: Sequence[float], tol: float = 0.0) -> dict:
     """Paired sign test of a against b.
 

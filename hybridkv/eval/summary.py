@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable
 
-from hybridkv.eval.stats import paired_bootstrap_pgr_ci, pgr, retention
+from hybridkv.eval.stats import bootstrap_mean_ci, paired_bootstrap_pgr_ci, pgr, retention
 
 COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes")
 TIMES = ("ttft_s", "build_s")  # medians: one slow outlier on a shared machine should not move them
@@ -37,6 +37,12 @@ def agreement(prediction: str, reference: str) -> float:
 
 
 OVERALL = "overall"
+
+
+def _over_known(statistic: Callable, samples: dict[str, dict], ids: list[str], field: str) -> float | None:
+    """`statistic` of a cost over the rows that report it (a served run has no byte counts), else None."""
+    known = [samples[i][field] for i in ids if samples[i].get(field) is not None]
+    return statistic(known) if known else None
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -80,6 +86,7 @@ def summarise(rows: list[dict]) -> dict:
                 "budget": budget,
                 "n": len(ids),
                 "score": mean,
+                "score_ci95": list(bootstrap_mean_ci(scores)),
                 "retention": retention(mean, statistics.fmean(oracle[i]["score"] for i in matched))
                 if matched
                 else None,
@@ -97,8 +104,8 @@ def summarise(rows: list[dict]) -> dict:
                 "pgr_ci95": list(ci)
                 if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))
                 else None,
-                **{cost: statistics.fmean(samples[i][cost] for i in ids) for cost in COSTS},
-                **{time: statistics.median(samples[i][time] for i in ids) for time in TIMES},
+                **{cost: _over_known(statistics.fmean, samples, ids, cost) for cost in COSTS},
+                **{time: _over_known(statistics.median, samples, ids, time) for time in TIMES},
             }
         )
     return {"rows": summary}

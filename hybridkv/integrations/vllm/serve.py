@@ -61,6 +61,7 @@ class ServerSpec:
     seed: int = 0
     namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages
     shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of zero-state resumes
+    save_states: bool = True  # the connector stores each prompt's final linear states (exact checkpoints)
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -93,6 +94,8 @@ class ServerSpec:
             }
             if self.shadow_rate:
                 transfer["kv_connector_extra_config"]["shadow_rate"] = self.shadow_rate
+            if not self.save_states:
+                transfer["kv_connector_extra_config"]["save_states"] = False
             if self.budget == ADAPTIVE:
                 transfer["kv_connector_extra_config"] |= {"replay_budget": "1.0", "replay_horizon": "calibrated"}
             args += ["--kv-transfer-config", json.dumps(transfer)]

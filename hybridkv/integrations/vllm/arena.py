@@ -1,0 +1,260 @@
+"""`hybridkv arena run --engine vllm`: the arena's samples answered by real `vllm serve` processes.
+
+The same frozen samples, golds, scorers and results rows as the harness (`hybridkv.eval.arena`),
+so `hybridkv arena score` and `report` read a served run as they read a harness run. Each method
+is a server configuration, and requests go the way real traffic reuses a context: the context
+(the conversation so far) is served first, then context + question, whose answer is generated
+greedily from the prefix hit, to the task's answer length or the model's end-of-sequence token:
+
+| method              | server                                    | requests                         |
+|---------------------|-------------------------------------------|----------------------------------|
+| `full`              | vLLM without prefix caching (the oracle)  | context + question               |
+| `no-context`        | the same server (the PGR floor)           | question                         |
+| `vllm-prefix-cache` | vLLM's own hybrid prefix cache (`align`)  | context, then context + question |
+| `tail-replay`       | HybridKVConnector, no stored states       | context, then context + question |
+| `horizon-replay`    | the same; tail: the calibrated horizon    | context, then context + question |
+| `checkpoint`        | HybridKVConnector storing final states    | context, then context + question |
+
+`tail-replay` runs at every plan budget through the request's own `replay_budget`. Every (sample,
+method, budget) has a namespace of its own (`cache_salt`), as the harness caches each sample alone:
+no budget reads another's pages, and samples sharing a prefix (RULER's haystacks) never resume from
+each other's (whose states would be the other sample's replayed, inexact ones). `horizon-replay` replays
+the forgetting horizon `hybridkv calibrate` measures on the model (measured first when none is
+beside it): the connector's `"replay_horizon": "calibrated"`; its rows carry that tail as a
+token budget, so the harness's `tail-replay@<N>tok` is its counterpart. With stored states the
+context's end is an exact checkpoint, so `checkpoint` replays nothing at any budget.
+
+A row's costs are what the server says: `reused_tokens` (the connector's reused tokens, or the
+prefix cache's `cached_tokens`), `replayed_tokens` (matched but recomputed: the connector's tail),
+`recomputed_tokens` (prompt tokens the engine computed). `ttft_s` is the answering request's
+whole latency here (generation included), since one non-streaming request returns the answer and
+the server's reuse counts together; vllm-bench times first tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hybridkv.errors import HybridKVError
+from hybridkv.eval.arena import ArenaPlan, read_rows, row_key
+from hybridkv.integrations.vllm.serve import Server, ServerSpec
+from hybridkv.methods import Budget
+
+SERVED_METHODS = ("no-context", "full", "vllm-prefix-cache", "tail-replay", "horizon-replay", "checkpoint")
+DEFAULT_SERVED_METHODS = SERVED_METHODS
+DEFAULT_SERVED_BUDGETS = (Budget(fraction=0.05), Budget(fraction=0.2), Budget(fraction=1.0))
+
+
+@dataclass(frozen=True)
+class Served:
+    """One server configuration and the (method, budget) settings it answers."""
+
+    config: str  # a `ServerSpec` config
+    save_states: bool
+    settings: tuple[tuple[str, Budget | None], ...]
+
+    @property
+    def label(self) -> str:
+        return self.config + ("" if self.config != "hybridkv" else "+states" if self.save_states else "-states")
+
+
+def served_grid(plan: ArenaPlan, horizon: Callable[[], int]) -> list[Served]:
+    """The servers a plan needs, in start order, each with its (method, budget) settings;
+    `horizon()` gives the calibrated horizon (asked only when `horizon-replay` runs)."""
+    wanted: dict[str, list[tuple[str, Budget | None]]] = {}
+    for entry in plan.methods:
+        name, _, pinned = entry.partition("@")
+        if name not in SERVED_METHODS:
+            raise HybridKVError(
+                f"--engine vllm serves methods {', '.join(SERVED_METHODS)}; {name!r} runs only in the harness"
+            )
+        if pinned and name != "tail-replay":
+            raise HybridKVError(f"method {name!r} takes no budget, so {entry!r} names none to run")
+        if name == "tail-replay":
+            budgets = [Budget.parse(pinned)] if pinned else list(plan.budgets)
+            wanted.setdefault(name, []).extend((name, b) for b in budgets)
+        elif name == "horizon-replay":
+            wanted[name] = [(name, Budget(tokens=horizon()))]
+        else:
+            wanted[name] = [(name, None)]
+    servers = [
+        Served("no-cache", True, tuple(s for m in ("full", "no-context") for s in wanted.get(m, []))),
+        Served("vllm-prefix-cache", True, tuple(wanted.get("vllm-prefix-cache", []))),
+        Served("hybridkv", False, tuple(s for m in ("tail-replay", "horizon-replay") for s in wanted.get(m, []))),
+        Served("hybridkv", True, tuple(wanted.get("checkpoint", []))),
+    ]
+    return [server for server in servers if server.settings]
+
+
+@dataclass
+class Generation:
+    """One answered request: the generated token ids and what the server said about the prompt."""
+
+    tokens: list[int]
+    seconds: float
+    prompt_tokens: int
+    cached_tokens: int  # served by vLLM's own prefix cache
+    hybridkv: dict | None  # the connector's {"matched", "reused", "exact_state"}
+
+
+def generate(
+    client, server: Server, prompt: list[int], max_tokens: int, stop_ids: list[int], cache_salt: str,
+    kv_transfer_params: dict | None = None,
+) -> Generation:  # fmt: skip
+    """Greedy completion of a token-id prompt, up to `max_tokens` or a stop id."""
+    body = {
+        "model": server.spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "stop_token_ids": stop_ids, "return_token_ids": True, "cache_salt": cache_salt,
+    }  # fmt: skip
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
+    started = time.perf_counter()
+    response = client.post(f"{server.url}/v1/completions", json=body)
+    seconds = time.perf_counter() - started
+    if response.status_code != 200:
+        raise HybridKVError(f"vllm serve ({server.spec.config}) answered {response.status_code}: {response.text[:200]}")
+    data = response.json()
+    choice = data["choices"][0]
+    tokens = [t for t in (choice.get("token_ids") or []) if t not in stop_ids]
+    usage = data.get("usage") or {}
+    return Generation(
+        tokens=tokens,
+        seconds=seconds,
+        prompt_tokens=usage.get("prompt_tokens", len(prompt)),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+        hybridkv=(data.get("kv_transfer_params") or {}).get("hybridkv"),
+    )
+
+
+def _model_facts(model: str) -> tuple[int, list[int]]:
+    """(layer count, end-of-sequence ids) from the checkpoint's config.json."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise HybridKVError(f"--engine vllm needs a checkpoint directory vLLM serves; {model}: {err}") from None
+    eos = config.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return config["num_hidden_layers"], eos_ids
+
+
+def run_served_arena(
+    model: str,
+    tokenizer,
+    samples: list,
+    plan: ArenaPlan,
+    out_dir: Path,
+    score,
+    horizon: Callable[[], int],
+    show_progress: bool = True,
+    max_new_tokens: int | None = None,
+    default_new_tokens: int = 32,
+) -> Path:
+    """Answer every sample with every served (method, budget); append rows to out_dir/results.jsonl.
+    Resumes as the harness does: rows already there are not asked again."""
+    import httpx
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    existing = read_rows(results)
+    results.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in existing))
+    done = {row_key(row["id"], row["method"], row["budget"]) for row in existing}
+    layers, eos_ids = _model_facts(model)
+    prompts = []
+    for sample in samples:
+        context = [t for segment in sample.segments() for t in tokenizer.encode(segment)]
+        question = tokenizer.encode(sample.question)
+        budget_tokens = sample.meta.get("tokens_to_generate", default_new_tokens)
+        if max_new_tokens is not None:
+            budget_tokens = min(budget_tokens, max_new_tokens)
+        prompts.append((len(prompts), sample, context, question, budget_tokens))
+    longest = max(len(c) + len(q) + n for _, _, c, q, n in prompts)
+    grid = served_grid(plan, horizon)
+    todo = {
+        id(served): [
+            (p, name, budget) for p in prompts for name, budget in served.settings
+            if row_key(p[1].id, name, budget.label() if budget else None) not in done
+        ]
+        for served in grid
+    }  # fmt: skip
+    run_id = uuid.uuid4().hex  # every namespace is this run's own: a rerun never reads an earlier run's pages
+    with (
+        results.open("a") as sink,
+        tqdm(total=sum(map(len, todo.values())), desc="arena (vllm)", disable=not show_progress) as progress,
+        httpx.Client(timeout=httpx.Timeout(600.0)) as client,
+    ):
+        for served in grid:
+            if not todo[id(served)]:
+                continue
+            store = out_dir / "store"
+            shutil.rmtree(store, ignore_errors=True)
+            spec = ServerSpec(
+                model, served.config, longest + 16, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
+                save_states=served.save_states,
+            )  # fmt: skip
+            progress.set_postfix_str(f"{served.label}: starting vllm serve")
+            with Server(spec, out_dir / "logs" / f"{served.label}.log") as server:
+                progress.set_postfix_str(served.label)
+                for (index, sample, context, question, new_tokens), name, budget in todo[id(served)]:
+                    # Each sample in a namespace of its own, as the harness caches each sample alone:
+                    # samples that share a prefix (RULER's haystacks) never resume from each other.
+                    salt = f"{name}-{budget}-{index}"  # vLLM takes no "@" in a cache_salt
+                    params = {"replay_budget": str(budget)} if budget is not None else None
+                    if name == "no-context":
+                        prompt = question
+                    else:
+                        prompt = context + question
+                        if name != "full":  # the context first, as a conversation's last turn was
+                            generate(client, server, context, 1, eos_ids, salt, params)
+                    answer = generate(client, server, prompt, new_tokens, eos_ids, salt, params)
+                    row = _row(plan, sample, name, budget, answer, context, question, layers, tokenizer, score)
+                    sink.write(json.dumps(row, sort_keys=True) + "\n")
+                    sink.flush()
+                    progress.update()
+    return results
+
+
+def _row(plan, sample, name, budget, answer: Generation, context, question, layers, tokenizer, score) -> dict:
+    """A results row as the harness writes it, with the server's reuse counts."""
+    prediction = tokenizer.decode(answer.tokens)
+    if answer.hybridkv:
+        reused, replayed = answer.hybridkv["reused"], answer.hybridkv["matched"] - answer.hybridkv["reused"]
+    else:
+        reused, replayed = answer.cached_tokens, 0
+    computed = answer.prompt_tokens - reused
+    prompt_tokens = len(question) if name == "no-context" else len(context) + len(question)
+    return {
+        "workload": plan.workload,
+        "engine": "vllm",
+        "id": sample.id,
+        "task": sample.task,
+        "length": sample.length,
+        "method": name,
+        "budget": budget.label() if budget else None,
+        "prediction": prediction,
+        "golds": sample.golds,
+        "score": score(sample.task, prediction, sample.golds, sample.meta),
+        "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
+        "context_tokens": len(context),
+        "chunks": len(sample.segments()),
+        "question_tokens": len(question),
+        "matched_tokens": answer.hybridkv["matched"] if answer.hybridkv else answer.cached_tokens,
+        "reused_tokens": reused,
+        "replayed_tokens": replayed,
+        "recomputed_tokens": computed,
+        "recomputed_layer_tokens": computed * layers,
+        "dense_layer_tokens": prompt_tokens * layers,
+        "exact_state": answer.hybridkv.get("exact_state") if answer.hybridkv else None,
+        "kv_bytes": None,  # the server does not report them per request
+        "state_bytes": None,
+        "ttft_s": answer.seconds,
+        "build_s": 0.0,
+        "cache_model": None,
+    }

@@ -1,0 +1,176 @@
+"""The arena through real `vllm serve` processes on the trained servable model (tiny-qwen3-next-vllm).
+
+The model solves RULER's single-needle tasks at 1K, so its answers are decisive (not the
+near-uniform greedy picks of a random-weight model): served answers can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from hybridkv.errors import HybridKVError  # noqa: E402
+from hybridkv.eval.arena import ArenaPlan, read_rows  # noqa: E402
+from hybridkv.eval.workloads import get_workload  # noqa: E402
+from hybridkv.integrations.vllm.arena import run_served_arena, served_grid  # noqa: E402
+from hybridkv.integrations.vllm.bench import first_token_fidelity  # noqa: E402
+from hybridkv.integrations.vllm.serve import Server, ServerSpec  # noqa: E402
+from hybridkv.methods import Budget  # noqa: E402
+from hybridkv.models.tiny import WEIGHTS_DIR  # noqa: E402
+from hybridkv.models.tokenizer import load_tokenizer  # noqa: E402
+from hybridkv.store.codec import Entry, decode, encode  # noqa: E402
+
+MODEL = WEIGHTS_DIR / "tiny-qwen3-next-vllm"
+
+
+@pytest.fixture(scope="module")
+def needles():
+    """Two samples of each single-needle task at 1K, the model's own tokenizer."""
+    tokenizer = load_tokenizer(str(MODEL))
+    ruler = get_workload("ruler")
+    found = [s for task in ("niah_single_1", "niah_single_2") for s in ruler.generate(task, 1024, 2, tokenizer, 7)]
+    return tokenizer, ruler, found
+
+
+def test_served_answers_from_exact_pages_equal_vllm_alones(needles, tmp_path):
+    """At budget 1.0 the connector replays the whole match; with stored states it resumes from the
+    exact state at the context's end: both answer every sample as vLLM without a cache does."""
+    tokenizer, ruler, samples = needles
+    plan = ArenaPlan("ruler", ["full", "tail-replay@1.0", "checkpoint"], [])
+    run_served_arena(str(MODEL), tokenizer, samples, plan, tmp_path, ruler.score, horizon=lambda: 0,
+                     show_progress=False)  # fmt: skip
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert len(rows) == 3 * len(samples) and all(r["engine"] == "vllm" for r in rows)
+    by = {(r["id"], r["method"]): r for r in rows}
+    for sample in samples:
+        full, replay, checkpoint = (by[(sample.id, m)] for m in ("full", "tail-replay", "checkpoint"))
+        assert full["score"] == 1.0  # the model answers it: the comparison means something
+        assert replay["prediction"] == full["prediction"] and checkpoint["prediction"] == full["prediction"]
+        context = full["context_tokens"]
+        # the whole context matched; budget 1.0 recomputed all of it, the checkpoint none of it
+        assert (replay["matched_tokens"], replay["reused_tokens"], replay["replayed_tokens"]) == (context, 0, context)
+        assert (checkpoint["matched_tokens"], checkpoint["reused_tokens"]) == (context, context)
+        assert checkpoint["exact_state"] is True and checkpoint["replayed_tokens"] == 0
+
+
+def _scramble(store: Path, kind: str) -> int:
+    """Rewrite every `kind` entry of a file store as a valid entry holding other pages of the same
+    kind: the pages of all such entries (every layer of every entry) are rotated by one, so each
+    layer's slot gets a real page of the model, from another layer or another block (raw bytes moved
+    inside a page would carry vLLM's unused padding into values, NaNs among them). The connector
+    trusts and loads them as its own. Returns how many entries it rewrote."""
+    entries = []
+    for path in sorted(store.rglob("*.hkv")):
+        data = path.read_bytes()
+        header_length = struct.unpack_from("<4sHI", data)[2]  # the codec's documented prefix
+        header = json.loads(data[10 : 10 + header_length])
+        if header["kind"] == kind:
+            entries.append((path, decode(data, key=header["key"], fingerprint=header["fingerprint"])))
+    pages = [page for _, entry in entries for page in entry.tensors.values()]
+    assert len({page.shape for page in pages}) == 1, "pages of one kind share one size"
+    rotated = iter(pages[1:] + pages[:1])
+    for path, entry in entries:
+        moved = {name: next(rotated) for name in entry.tensors}
+        path.write_bytes(encode(Entry(entry.kind, entry.fingerprint, entry.key, entry.meta, moved)))
+    return len(entries)
+
+
+def test_a_scrambled_state_or_attention_page_moves_what_the_server_answers(needles, tmp_path):
+    """What the connector loads is what the server answers from: with the stored linear states
+    scrambled the first-token distribution moves far beyond bf16 noise (measured here: the same
+    prompts resumed from clean pages against vLLM alone); with the attention pages scrambled (this
+    model reads its answer from attention) the answers change."""
+    tokenizer, _, samples = needles
+    store = tmp_path / "store"
+    prompts = [
+        ([t for piece in s.segments() for t in tokenizer.encode(piece)], tokenizer.encode(s.question)) for s in samples
+    ]
+
+    def post(server, prompt, salt, max_tokens=1) -> dict:
+        body = {
+            "model": str(MODEL),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "cache_salt": salt,
+            "logprobs": 20,
+            "return_tokens_as_token_ids": True,
+        }
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).json()
+        assert "choices" in reply, reply
+        choice = reply["choices"][0]
+        first = choice["logprobs"]["top_logprobs"][0]
+        return {"tokens": choice["token_ids"], "hybridkv": (reply.get("kv_transfer_params") or {}).get("hybridkv"),
+                "first": {int(k.removeprefix("token_id:")): v for k, v in first.items()}}  # fmt: skip
+
+    def answers(server, namespace) -> list[dict]:
+        return [post(server, c + q, f"{namespace}-{i}", 16) for i, (c, q) in enumerate(prompts)]
+
+    def store_contexts(server, namespace) -> None:
+        for i, (context, _) in enumerate(prompts):
+            post(server, context, f"{namespace}-{i}")
+
+    # A stored stretch of the haystack and 4 more of its tokens: the next token is language
+    # modelling over the last few tokens, which the linear layers (short conv, fast decays) carry.
+    stretches = [(c[: len(c) - 40], c[len(c) - 40 : len(c) - 36]) for c, _ in prompts]
+
+    def first_tokens(server, namespace) -> list[dict]:
+        return [post(server, a + b, f"{namespace}-{i}") for i, (a, b) in enumerate(stretches)]
+
+    def store_stretches(server, namespace) -> None:
+        for i, (stored, _) in enumerate(stretches):
+            post(server, stored, f"{namespace}-{i}")
+
+    with Server(ServerSpec(str(MODEL), "no-cache", 2048), tmp_path / "alone.log") as server:
+        alone = answers(server, "alone")
+        alone_next = first_tokens(server, "alone")
+    spec = ServerSpec(str(MODEL), "hybridkv", 2048, f"file://{store}", namespace=uuid.uuid4().hex)
+    with Server(spec, tmp_path / "connector.log") as server:
+        store_contexts(server, "clean")
+        clean = answers(server, "clean")
+        store_stretches(server, "clean-next")
+        clean_next = first_tokens(server, "clean-next")
+        store_stretches(server, "state")
+        assert _scramble(store, "vllm-state") >= 2 * len(prompts)
+        bad_state = first_tokens(server, "state")
+        store_contexts(server, "kv")  # its states are new, unscrambled entries
+        assert _scramble(store, "vllm-kv") > 0
+        bad_kv = answers(server, "kv")
+    for i, (context, _) in enumerate(prompts):
+        assert clean[i]["hybridkv"] == {"matched": len(context), "reused": len(context), "exact_state": True}
+        assert bad_kv[i]["hybridkv"] == clean[i]["hybridkv"]  # loaded and trusted
+        assert clean[i]["tokens"] == alone[i]["tokens"]
+        assert bad_state[i]["hybridkv"] == clean_next[i]["hybridkv"]
+        assert clean_next[i]["hybridkv"]["exact_state"] is True
+    # KL between first-token distributions (over the reference's top 20 and the rest), as vllm-bench
+    noise = max(first_token_fidelity(a["first"], c["first"])[1] for c, a in zip(clean_next, alone_next, strict=True))
+    moved = [first_token_fidelity(c["first"], b["first"])[1] for b, c in zip(bad_state, clean_next, strict=True)]
+    print(f"bf16 noise KL {noise:.5f}; scrambled state KL {moved}")
+    assert min(moved) > max(10 * noise, 0.05)
+    changed = [b["tokens"] != c["tokens"] for b, c in zip(bad_kv, clean, strict=True)]
+    print("scrambled attention changes answers:", changed)
+    assert all(changed)
+
+
+def test_the_served_grid_refuses_what_a_server_cannot_run():
+    with pytest.raises(HybridKVError, match="runs only in the harness"):
+        served_grid(ArenaPlan("ruler", ["zero-state"], []), horizon=lambda: 0)
+    with pytest.raises(HybridKVError, match="takes no budget"):
+        served_grid(ArenaPlan("ruler", ["checkpoint@0.2"], []), horizon=lambda: 0)
+    plan = ArenaPlan("ruler", ["full", "no-context", "tail-replay", "horizon-replay", "checkpoint"],
+                     [Budget(fraction=0.05), Budget(fraction=1.0)])  # fmt: skip
+    servers = served_grid(plan, horizon=lambda: 96)
+    assert [(s.config, s.save_states) for s in servers] == [("no-cache", True), ("hybridkv", False), ("hybridkv", True)]
+    assert [(m, str(b)) for m, b in servers[1].settings] == [
+        ("tail-replay", "0.05"),
+        ("tail-replay", "1.0"),
+        ("horizon-replay", "96tok"),
+    ]
