@@ -231,6 +231,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one_and_exports_a_loadable_model
     assert isinstance(load_tokenizer(str(target)), HFTokenizer)  # the tokenizer.json it ships
     model = load_model(str(target))
     assert model.config.model_type == "glm5_next_text"
+    # its config names the class (transformers has no causal-LM class for GLM-5.3-Flash's decoder)
+    assert json.loads((target / "config.json").read_text())["architectures"] == ["Glm5NextTextModel"]
     card = json.loads((target / "training.json").read_text())
     assert card["steps"] == 4 and card["tokens"] == 4 * 1024
     tokens = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(4))

@@ -10,6 +10,7 @@ import pytest
 from hybridkv.eval.contract import ArenaConfig, get_arena_method
 from hybridkv.eval.workloads import ruler
 from hybridkv.models import DEFAULT_MODEL, TRAINED_MODELS
+from hybridkv.models.loader import architecture_name
 from hybridkv.models.tokenizer import load_tokenizer
 
 NAMES = list(TRAINED_MODELS)
@@ -28,6 +29,10 @@ def test_shipped_weights_fit_and_say_how_they_were_made(name):
     shape = card["train_config"]["model"]
     # a second checkpoint of a trained shape (for cross-checkpoint reuse) is named <shape>-<tag>
     assert card["steps"] > 0 and (name == shape or name.startswith(f"{shape}-"))
+    # the class that loads it, which vLLM and AutoModelForCausalLM look up (vLLM starts a pooling
+    # model for a config without one)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == [architecture_name(config["model_type"])]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -139,6 +139,18 @@ def _seeded_tiny(name: str, seed: int) -> tuple[PreTrainedConfig, nn.Module, nn.
 _LAYOUT_PREFIXES = ("model.", "lm_head.")
 
 
+def architecture_name(model_type: str) -> str:
+    """The class a config.json's `architectures` names for these weights: transformers' causal-LM
+    class for the model type (what vLLM and `AutoModelForCausalLM` look up), else its bare model
+    class (GLM-5.3-Flash's text decoder has no causal-LM class; its head is stored beside it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise HybridKVError(f"transformers has no model class for model type {model_type!r}")
+    return name
+
+
 def write_with_head(directory: Path, config: PreTrainedConfig, backbone: nn.Module, lm_head: nn.Module) -> None:
     """hybridkv's own checkpoint layout (what `hybridkv train` writes): a transformers config.json
     and one model.safetensors holding the backbone under `model.` and the LM head under `lm_head.`.
@@ -146,6 +158,8 @@ def write_with_head(directory: Path, config: PreTrainedConfig, backbone: nn.Modu
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
+    if not getattr(config, "architectures", None):
+        config.architectures = [architecture_name(config.model_type)]
     config.save_pretrained(directory)
     tensors = {
         prefix + key: value.contiguous()
