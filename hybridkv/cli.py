@@ -233,6 +233,11 @@ def _build_parser() -> argparse.ArgumentParser:
     score.add_argument("out", type=Path)
     report = arena_commands.add_parser("report", help="write OUT/report.md and OUT/report.html with plots")
     report.add_argument("out", type=Path)
+    report.add_argument(
+        "--beside", type=Path, default=None,
+        help="another run directory on the same samples (e.g. the harness's beside a served run): its scores "
+        "and CIs in a table beside OUT's",
+    )  # fmt: skip
     export = arena_commands.add_parser(
         "export",
         help="write OUT's answers in another benchmark's format: kva (KVShareArena's kva.result.v1, one file per "
@@ -545,7 +550,9 @@ def _arena(args: argparse.Namespace) -> None:
 
         if not (args.out / "summary.json").exists():
             raise HybridKVError(f"{args.out / 'summary.json'}: missing; run `hybridkv arena score {args.out}` first")
-        md_path, html_path = write_arena_report(args.out)
+        if args.beside is not None and not (args.beside / "summary.json").exists():
+            raise HybridKVError(f"--beside {args.beside}: no summary.json; run `hybridkv arena score` on it first")
+        md_path, html_path = write_arena_report(args.out, args.beside)
         print(f"wrote {md_path} and {html_path}")
         return
     if args.action == "score":

