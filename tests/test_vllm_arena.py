@@ -174,3 +174,25 @@ def test_the_served_grid_refuses_what_a_server_cannot_run():
         ("tail-replay", "1.0"),
         ("horizon-replay", "96tok"),
     ]
+
+
+def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(tmp_path):
+    from hybridkv.report.arena_report import beside_table
+
+    def write(directory: Path, engine: str, rows: list[tuple[str, object, float, list[float]]]) -> Path:
+        directory.mkdir()
+        (directory / "run.json").write_text(json.dumps({"engine": engine}))
+        summary = [{"task": "t", "length": 2048, "method": m, "budget": b, "n": 30, "score": s, "score_ci95": ci,
+                    "same_as_full": 1.0} for m, b, s, ci in rows]  # fmt: skip
+        (directory / "summary.json").write_text(json.dumps({"rows": summary}))
+        return directory
+
+    served = write(tmp_path / "served", "vllm", [("full", None, 0.9, [0.8, 1.0]),
+                   ("tail-replay", 0.05, 0.2, [0.1, 0.3]), ("horizon-replay", "64tok", 0.9, [0.8, 1.0])])  # fmt: skip
+    harness = write(tmp_path / "harness", "transformers", [("full", None, 0.95, [0.9, 1.0]),
+                    ("tail-replay", 0.05, 0.9, [0.8, 1.0]), ("tail-replay", "64tok", 0.85, [0.7, 0.95])])  # fmt: skip
+    table = "\n".join(beside_table(served, harness))
+    assert "| t | 2048 | full | — | 30 | 0.9 [0.8, 1] | 0.95 [0.9, 1] | yes |" in table
+    assert "| t | 2048 | tail-replay | 0.05 | 30 | 0.2 [0.1, 0.3] | 0.9 [0.8, 1] | **no** |" in table
+    # the connector replaying the calibrated horizon is set beside tail-replay at that many tokens
+    assert "| t | 2048 | horizon-replay | 64tok | 30 | 0.9 [0.8, 1] | 0.85 [0.7, 0.95] | yes |" in table
