@@ -228,6 +228,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "horizon-replay and checkpoint) answering the same samples; its methods default to all of those, "
         "its budgets to 0.05,0.2,1.0 (--model: a checkpoint directory vLLM serves)",
     )
+    run.add_argument(
+        "--shadow-rate", type=float, default=0.0,
+        help="--engine vllm: the share of the connector's zero-state resumes checked in its shadow process "
+        "(budget by budget, into OUT/shadow.json beside the scores; 0: off)",
+    )  # fmt: skip
     _add_output_options(run, "out/arena", "output directory (resumed if it exists)")
     score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
     score.add_argument("out", type=Path)
@@ -585,6 +590,10 @@ def _arena(args: argparse.Namespace) -> None:
         served_grid(ArenaPlan(args.workload, methods, budgets), horizon=lambda: 0)  # bad names fail here
         if not Path(args.model).is_dir():
             raise HybridKVError(f"--engine vllm serves a checkpoint directory; {args.model} is not one")
+        if not 0 <= args.shadow_rate <= 1:
+            raise HybridKVError(f"--shadow-rate {args.shadow_rate}: a share of zero-state resumes, from 0 to 1")
+    elif args.shadow_rate:
+        raise HybridKVError("--shadow-rate checks a served connector's resumes: give --engine vllm")
     else:
         for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
             get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
@@ -622,7 +631,7 @@ def _arena(args: argparse.Namespace) -> None:
         run_served_arena(
             args.model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), args.out, workload.score,
             horizon=lambda: _horizon(ensure_calibrated(args.model), args.model),
-            show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+            show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens, shadow_rate=args.shadow_rate,
         )  # fmt: skip
         write_summary()
         return

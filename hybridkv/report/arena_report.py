@@ -259,6 +259,36 @@ def beside_table(out_dir: Path, other_dir: Path) -> list[str]:
     return [*lines, "", f"({'; '.join(notes)}.)", ""]
 
 
+def shadow_table(out_dir: Path) -> list[str]:
+    """Markdown: a served run's shadow checks per (method, budget) (OUT/shadow.json) beside the
+    score that setting lost against full prefill on the same samples: does the live signal
+    predict the loss?"""
+    path = out_dir / "shadow.json"
+    if not path.exists():
+        return []
+    shadow = json.loads(path.read_text())
+    rows = [r for r in json.loads((out_dir / "summary.json").read_text())["rows"] if r["task"] == OVERALL] or [
+        r for r in json.loads((out_dir / "summary.json").read_text())["rows"]
+    ]
+    full = {r["length"]: r["score"] for r in rows if r["method"] == "full"}
+    lines = [
+        "## Shadow checks beside the score lost",
+        "",
+        "| method | budget | length | shadow checks | top-1 disagreement | mean KL | score | full | score lost |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        figures = shadow.get(f"{row['method']}@{row['budget']}")
+        if figures is None or row["length"] not in full:
+            continue
+        lines.append(
+            f"| {row['method']} | {_fmt(row['budget'])} | {row['length']} | {figures['shadow_checks']} | "
+            f"{_fmt(figures['shadow_disagreement_rate'])} | {_fmt(figures['shadow_kl_mean'])} | {_fmt(row['score'])} | "
+            f"{_fmt(full[row['length']])} | {_fmt(full[row['length']] - row['score'])} |"
+        )
+    return [*lines, ""]
+
+
 def _key(row: dict) -> tuple:
     return row["task"], row["length"], row["method"], str(row["budget"])
 
@@ -291,6 +321,7 @@ def write_arena_report(out_dir: Path, beside: Path | None = None) -> tuple[Path,
         "",
         *pair_tables(per_task),
         *(beside_table(out_dir, beside) if beside is not None else []),
+        *shadow_table(out_dir),
         *table_md,
         "",
     ]

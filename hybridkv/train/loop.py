@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.models.loader import read_with_head, write_with_head
+from hybridkv.models.loader import architecture_name, read_with_head, write_with_head
 from hybridkv.models.tokenizer import write_byte_tokenizer
 from hybridkv.train import data
 from hybridkv.train.indexer import IndexerRecorder, indexer_loss
@@ -270,6 +270,10 @@ def export(run_dir: Path, name: str, root: Path | None = None) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     for file in ("config.json", "model.safetensors"):
         shutil.copyfile(checkpoint / file, target / file)
+    config = json.loads((target / "config.json").read_text())
+    if not config.get("architectures"):  # a checkpoint written before write_with_head named its class
+        config["architectures"] = [architecture_name(config["model_type"])]
+        (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     # The byte tokenizer as files, so Hugging Face loaders (vLLM's server among them) take text.
     write_byte_tokenizer(target)
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]

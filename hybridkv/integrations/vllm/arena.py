@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.arena import ArenaPlan, read_rows, row_key
-from hybridkv.integrations.vllm.serve import Server, ServerSpec
+from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget
 
 SERVED_METHODS = ("no-context", "full", "vllm-prefix-cache", "tail-replay", "horizon-replay", "checkpoint")
@@ -156,9 +156,15 @@ def run_served_arena(
     show_progress: bool = True,
     max_new_tokens: int | None = None,
     default_new_tokens: int = 32,
+    shadow_rate: float = 0.0,
 ) -> Path:
     """Answer every sample with every served (method, budget); append rows to out_dir/results.jsonl.
-    Resumes as the harness does: rows already there are not asked again."""
+    Resumes as the harness does: rows already there are not asked again.
+
+    With `shadow_rate` > 0 the connector without stored states runs its shadow checks (#33,
+    `shadow.py`) on that share of its zero-state resumes; each (method, budget) is served in turn
+    and its checks' figures (disagreement rate, mean KL) go to out_dir/shadow.json, to set beside
+    the score that budget lost."""
     import httpx
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,11 +185,13 @@ def run_served_arena(
     grid = served_grid(plan, horizon)
     todo = {
         id(served): [
-            (p, name, budget) for p in prompts for name, budget in served.settings
+            (p, name, budget) for name, budget in served.settings for p in prompts
             if row_key(p[1].id, name, budget.label() if budget else None) not in done
         ]
         for served in grid
     }  # fmt: skip
+    shadow_path = out_dir / "shadow.json"
+    shadow = json.loads(shadow_path.read_text()) if shadow_path.exists() else {}
     run_id = uuid.uuid4().hex  # every namespace is this run's own: a rerun never reads an earlier run's pages
     with (
         results.open("a") as sink,
@@ -195,14 +203,20 @@ def run_served_arena(
                 continue
             store = out_dir / "store"
             shutil.rmtree(store, ignore_errors=True)
+            checked = shadow_rate if served.config == "hybridkv" and not served.save_states else 0.0
             spec = ServerSpec(
                 model, served.config, longest + 16, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
-                save_states=served.save_states,
+                save_states=served.save_states, shadow_rate=checked,
             )  # fmt: skip
             progress.set_postfix_str(f"{served.label}: starting vllm serve")
             with Server(spec, out_dir / "logs" / f"{served.label}.log") as server:
                 progress.set_postfix_str(served.label)
+                setting, before = None, {}
                 for (index, sample, context, question, new_tokens), name, budget in todo[id(served)]:
+                    if checked and (name, str(budget)) != setting:  # a new setting: count its checks alone
+                        if setting is not None:
+                            shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
+                        setting, before = (name, str(budget)), settle_shadow_checks([server])
                     # Each sample in a namespace of its own, as the harness caches each sample alone:
                     # samples that share a prefix (RULER's haystacks) never resume from each other.
                     salt = f"{name}-{budget}-{index}"  # vLLM takes no "@" in a cache_salt
@@ -218,7 +232,17 @@ def run_served_arena(
                     sink.write(json.dumps(row, sort_keys=True) + "\n")
                     sink.flush()
                     progress.update()
+                if checked and setting is not None:
+                    shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
+                    shadow_path.write_text(json.dumps(shadow, indent=2) + "\n")
     return results
+
+
+def _shadow(server: Server, before: dict[str, float]) -> dict:
+    """The shadow checks' figures since `before` (every queued check counted first)."""
+    from hybridkv.integrations.vllm.bench import shadow_figures
+
+    return shadow_figures(before, settle_shadow_checks([server])) | {"shadow_rate": server.spec.shadow_rate}
 
 
 def _row(plan, sample, name, budget, answer: Generation, context, question, layers, tokenizer, score) -> dict:
