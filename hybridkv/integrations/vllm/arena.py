@@ -235,6 +235,7 @@ def run_served_arena(
                 if checked and setting is not None:
                     shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
                     shadow_path.write_text(json.dumps(shadow, indent=2) + "\n")
+            shutil.rmtree(store, ignore_errors=True)  # scratch: every namespace was this run's own
     return results
 
 

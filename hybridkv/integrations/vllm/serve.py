@@ -63,6 +63,7 @@ class ServerSpec:
     namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages
     shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of zero-state resumes
     save_states: bool = True  # the connector stores each prompt's final linear states (exact checkpoints)
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--hf-overrides", '{...}')
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -80,6 +81,7 @@ class ServerSpec:
         ]  # fmt: skip
         if not (Path(self.model) / "tokenizer.json").is_file():  # token-id prompts only
             args.append("--skip-tokenizer-init")
+        args += self.extra_args
         if self.config == "vllm-prefix-cache":
             return [*args, "--enable-prefix-caching"]
         args.append("--no-enable-prefix-caching")
