@@ -6,6 +6,7 @@
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,10 +21,15 @@ from hybridkv.models.tiny import TRAINED_MODELS
 ALSO = {"glm5_next_text": ["Glm5NextForCausalLM"]}
 
 
+SKIP = ("nanobind", "ulimit", " WARNING ", "Engine core initialization failed", "CalledProcessError",
+        "Error raised in subprocess", "ValidationError", "Error in inspecting")  # fmt: skip
+
+
 def error_line(log: Path) -> str:
+    """The root cause in a server's log: the first `...Error: message` line that is not a wrapper."""
     lines = log.read_text(errors="replace").splitlines()
-    errors = [line for line in lines if re.search(r"(Error|Exception|error:)", line) and "nanobind" not in line]
-    return errors[-1].split("] ", 1)[-1][:400] if errors else " | ".join(lines[-3:])[:400]
+    causes = [line for line in lines if re.search(r"\w+(Error|Exception): ", line) and not any(s in line for s in SKIP)]
+    return causes[0].split("] ", 1)[-1].strip()[:400] if causes else " | ".join(lines[-3:])[:400]
 
 
 def main(out: Path) -> None:
@@ -49,6 +55,7 @@ def main(out: Path) -> None:
                 found[label] = {"served": "choices" in reply, "detail": str(reply)[:300]}
             except HybridKVError:
                 found[label] = {"served": False, "detail": error_line(log)}
+            shutil.rmtree(log.with_name(log.stem + "-prometheus"), ignore_errors=True)
             print(label, found[label])
     (out / "servability.json").write_text(json.dumps(found, indent=2) + "\n")
 
