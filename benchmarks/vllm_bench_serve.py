@@ -28,7 +28,8 @@ from hybridkv.integrations.vllm.serve import Server, ServerSpec
 from hybridkv.models.tiny import WEIGHTS_DIR
 
 # (name, `vllm bench serve` flags): repeated prefixes with distinct suffixes, and one long prefix
-# every request shares; prompts of random tokens, 16 generated tokens each.
+# every request shares; prompts of random tokens, 16 generated tokens each. Each concurrency draws
+# its prompts with its own seed: one server answers them all, and prompts it has seen would hit.
 SETTINGS = {
     "prefix_repetition": [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1500",
@@ -55,7 +56,7 @@ def bench(server: Server, model: str, setting: str, prompts: int, concurrency: i
     args = parser.parse_args([
         "--backend", "vllm", "--base-url", server.url, "--model", model, "--tokenizer", model,
         *SETTINGS[setting], "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-        "--seed", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,e2el", "--save-result",
+        "--seed", str(concurrency), "--ignore-eos", "--percentile-metrics", "ttft,tpot,e2el", "--save-result",
         "--result-dir", str(out), "--result-filename", name, "--disable-tqdm",
     ])  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()) as printed:
@@ -102,6 +103,7 @@ def main() -> None:
         shutil.rmtree(store, ignore_errors=True)
     (args.out / "summary.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=2) + "\n")
     (args.out / "report.md").write_text(report(rows))
+    shutil.rmtree(args.out / "logs", ignore_errors=True)  # the servers' output, kept only when a run fails
 
 
 def report(rows: list[dict]) -> str:
