@@ -80,6 +80,23 @@ def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
     return grid
 
 
+def scored_row(workload: str, sample, method: str, budget: Budget | None, prediction: str, score) -> dict:
+    """The part of a results row that names the sample and the method and scores the prediction
+    (the harness and the served arena add their own cost fields)."""
+    return {
+        "workload": workload,
+        "id": sample.id,
+        "task": sample.task,
+        "length": sample.length,
+        "method": method,
+        "budget": budget.label() if budget else None,
+        "prediction": prediction,
+        "golds": sample.golds,
+        "score": score(sample.task, prediction, sample.golds, sample.meta),
+        "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
+    }
+
+
 def run_arena(
     model: HybridModel,
     tokenizer,
@@ -134,16 +151,7 @@ def run_arena(
             answer = method.answer(question, caches, sample_config)
             prediction = answer.text or tokenizer.decode(answer.tokens)
             row = {
-                "workload": plan.workload,
-                "id": sample.id,
-                "task": sample.task,
-                "length": sample.length,
-                "method": name,
-                "budget": budget.label() if budget else None,
-                "prediction": prediction,
-                "golds": sample.golds,
-                "score": score(sample.task, prediction, sample.golds, sample.meta),
-                "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
+                **scored_row(plan.workload, sample, name, budget, prediction, score),
                 "context_tokens": len(context),
                 "chunks": len(pieces),
                 "question_tokens": len(question),

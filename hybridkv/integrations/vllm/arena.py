@@ -44,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.arena import ArenaPlan, read_rows, row_key
+from hybridkv.eval.arena import ArenaPlan, read_rows, row_key, scored_row
 from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget
 
@@ -256,17 +256,8 @@ def _row(plan, sample, name, budget, answer: Generation, context, question, laye
     computed = answer.prompt_tokens - reused
     prompt_tokens = len(question) if name == "no-context" else len(context) + len(question)
     return {
-        "workload": plan.workload,
+        **scored_row(plan.workload, sample, name, budget, prediction, score),
         "engine": "vllm",
-        "id": sample.id,
-        "task": sample.task,
-        "length": sample.length,
-        "method": name,
-        "budget": budget.label() if budget else None,
-        "prediction": prediction,
-        "golds": sample.golds,
-        "score": score(sample.task, prediction, sample.golds, sample.meta),
-        "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
         "context_tokens": len(context),
         "chunks": len(sample.segments()),
         "question_tokens": len(question),
