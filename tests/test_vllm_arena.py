@@ -198,3 +198,22 @@ def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(t
     assert "| t | 2048 | tail-replay | 0.05 | 30 | 0.2 [0.1, 0.3] | 0.9 [0.8, 1] | **no** |" in table
     # the connector replaying the calibrated horizon is set beside tail-replay at that many tokens
     assert "| t | 2048 | horizon-replay | 64tok | 30 | 0.9 [0.8, 1] | 0.85 [0.7, 0.95] | yes |" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--engine", "vllm", "--model", "tiny-qwen3-next-vllm"], "serves a checkpoint directory"),
+        (["--engine", "vllm", "--model", str(MODEL), "--methods", "full,zero-state"], "runs only in the harness"),
+        (["--engine", "vllm", "--model", str(MODEL), "--shadow-rate", "1.5"], "a share of zero-state resumes"),
+        (["--shadow-rate", "0.5"], "give --engine vllm"),
+    ],
+)
+def test_a_served_arena_it_cannot_run_is_refused_in_one_line_before_any_work(argv, says, tmp_path, capsys):
+    from hybridkv.cli import main
+
+    out = tmp_path / "out"
+    assert main(["arena", "run", "--samples", "1", "--lengths", "1024", "--out", str(out), *argv]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and says in error[0]
+    assert not out.exists()
