@@ -61,11 +61,12 @@ def test_served_answers_from_exact_pages_equal_vllm_alones(needles, tmp_path):
 
 
 def _scramble(store: Path, kind: str) -> int:
-    """Rewrite every `kind` entry of a file store as a valid entry holding other pages of the same
-    kind: the pages of all such entries (every layer of every entry) are rotated by one, so each
-    layer's slot gets a real page of the model, from another layer or another block (raw bytes moved
-    inside a page would carry vLLM's unused padding into values, NaNs among them). The connector
-    trusts and loads them as its own. Returns how many entries it rewrote."""
+    """Rewrite every `kind` entry of a file store as a valid entry holding other real pages of the
+    model, which the connector trusts and loads as its own: a state entry's layers each get the next
+    layer's state; attention blocks (one layer here) each get the next block's page, over all
+    blocks in the store (raw bytes moved inside a page would carry vLLM's unused padding into
+    values, NaNs among them). The store must hold only the namespace under test, or a block could
+    get an identical page of another namespace. Returns how many entries it rewrote."""
     entries = []
     for path in sorted(store.rglob("*.hkv")):
         data = path.read_bytes()
@@ -73,13 +74,22 @@ def _scramble(store: Path, kind: str) -> int:
         header = json.loads(data[10 : 10 + header_length])
         if header["kind"] == kind:
             entries.append((path, decode(data, key=header["key"], fingerprint=header["fingerprint"])))
-    pages = [page for _, entry in entries for page in entry.tensors.values()]
-    assert len({page.shape for page in pages}) == 1, "pages of one kind share one size"
-    rotated = iter(pages[1:] + pages[:1])
-    for path, entry in entries:
-        moved = {name: next(rotated) for name in entry.tensors}
-        path.write_bytes(encode(Entry(entry.kind, entry.fingerprint, entry.key, entry.meta, moved)))
+    if kind == "vllm-state":  # within each entry, layer by layer
+        moved = [dict(zip(e.tensors, [*list(e.tensors.values())[1:], *list(e.tensors.values())[:1]], strict=True))
+                 for _, e in entries]  # fmt: skip
+        assert all(len(e.tensors) > 1 for _, e in entries)
+    else:  # across blocks
+        pages = [page for _, entry in entries for page in entry.tensors.values()]
+        rotated = iter(pages[1:] + pages[:1])
+        moved = [{name: next(rotated) for name in e.tensors} for _, e in entries]
+    for (path, entry), tensors in zip(entries, moved, strict=True):
+        path.write_bytes(encode(Entry(entry.kind, entry.fingerprint, entry.key, entry.meta, tensors)))
     return len(entries)
+
+
+def _empty(store: Path) -> None:
+    for path in store.rglob("*.hkv"):
+        path.unlink()
 
 
 def test_a_scrambled_state_or_attention_page_moves_what_the_server_answers(needles, tmp_path):
@@ -138,11 +148,13 @@ def test_a_scrambled_state_or_attention_page_moves_what_the_server_answers(needl
         clean = answers(server, "clean")
         store_stretches(server, "clean-next")
         clean_next = first_tokens(server, "clean-next")
+        _empty(store)  # only the namespace under test from here on
         store_stretches(server, "state")
-        assert _scramble(store, "vllm-state") >= 2 * len(prompts)
+        assert _scramble(store, "vllm-state") == len(prompts)
         bad_state = first_tokens(server, "state")
-        store_contexts(server, "kv")  # its states are new, unscrambled entries
-        assert _scramble(store, "vllm-kv") > 0
+        _empty(store)
+        store_contexts(server, "kv")
+        assert _scramble(store, "vllm-kv") >= len(prompts)
         bad_kv = answers(server, "kv")
     for i, (context, _) in enumerate(prompts):
         assert clean[i]["hybridkv"] == {"matched": len(context), "reused": len(context), "exact_state": True}
