@@ -22,8 +22,6 @@ import json
 import shutil
 from pathlib import Path
 
-import httpx
-
 from hybridkv.integrations.vllm.serve import Server, ServerSpec
 from hybridkv.models.tiny import WEIGHTS_DIR
 
@@ -67,14 +65,9 @@ def bench(server: Server, model: str, setting: str, prompts: int, concurrency: i
 
 def reuse_counters(server: Server) -> dict[str, float]:
     """Prompt tokens, and those vLLM's prefix cache or the connector served, from /metrics."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                     "vllm:hybridkv_tokens_reused_total", "vllm:hybridkv_tokens_replayed_total"):  # fmt: skip
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sums
+    wanted = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+              "vllm:hybridkv_tokens_reused_total", "vllm:hybridkv_tokens_replayed_total")  # fmt: skip
+    return {name: value for name, value in server.metrics("vllm:").items() if name in wanted}
 
 
 def main() -> None:

@@ -205,7 +205,7 @@ def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(t
                    ("tail-replay", 0.05, 0.2, [0.1, 0.3]), ("horizon-replay", "64tok", 0.9, [0.8, 1.0])])  # fmt: skip
     harness = write(tmp_path / "harness", "transformers", [("full", None, 0.95, [0.9, 1.0]),
                     ("tail-replay", 0.05, 0.9, [0.8, 1.0]), ("tail-replay", "64tok", 0.85, [0.7, 0.95])])  # fmt: skip
-    table = "\n".join(beside_table(served, harness))
+    table = "\n".join(beside_table(json.loads((served / "summary.json").read_text())["rows"], served, harness))
     assert "| t | 2048 | full | — | 30 | 0.9 [0.8, 1] | 0.95 [0.9, 1] | yes |" in table
     assert "| t | 2048 | tail-replay | 0.05 | 30 | 0.2 [0.1, 0.3] | 0.9 [0.8, 1] | **no** |" in table
     # the connector replaying the calibrated horizon is set beside tail-replay at that many tokens

@@ -80,6 +80,13 @@ def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
     return grid
 
 
+def answer_budget(sample, default: int, cap: int | None) -> int:
+    """Tokens to generate for `sample`: its own budget (RULER sets one per task) or `default`,
+    capped by `cap` when given."""
+    budget = sample.meta.get("tokens_to_generate", default)
+    return budget if cap is None else min(budget, cap)
+
+
 def scored_row(workload: str, sample, method: str, budget: Budget | None, prediction: str, score) -> dict:
     """The part of a results row that names the sample and the method and scores the prediction
     (the harness and the served arena add their own cost fields)."""
@@ -144,9 +151,7 @@ def run_arena(
                 build_s += built.build_s
                 if built.handle is not None:
                     caches.append(built.handle)
-            budget_tokens = sample.meta.get("tokens_to_generate", config.max_new_tokens)
-            if max_new_tokens is not None:
-                budget_tokens = min(budget_tokens, max_new_tokens)
+            budget_tokens = answer_budget(sample, config.max_new_tokens, max_new_tokens)
             sample_config = dataclasses.replace(config, max_new_tokens=budget_tokens)
             answer = method.answer(question, caches, sample_config)
             prediction = answer.text or tokenizer.decode(answer.tokens)

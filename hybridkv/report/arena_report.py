@@ -228,10 +228,10 @@ def _engine(out_dir: Path) -> str:
 COUNTERPARTS = {"horizon-replay": "tail-replay", "vllm-prefix-cache": "full"}
 
 
-def beside_table(out_dir: Path, other_dir: Path) -> list[str]:
-    """Markdown: this run's score per (task, length, method, budget) beside another run's on the
-    same settings (a served run beside the harness's), with both CIs and whether they overlap."""
-    rows = json.loads((out_dir / "summary.json").read_text())["rows"]
+def beside_table(rows: list[dict], out_dir: Path, other_dir: Path) -> list[str]:
+    """Markdown: this run's score per (task, length, method, budget) (`rows`, its summary) beside
+    another run's on the same settings (a served run beside the harness's), with both CIs and
+    whether they overlap."""
     other = {_key(r): r for r in json.loads((other_dir / "summary.json").read_text())["rows"]}
     this_name, other_name = _engine(out_dir), _engine(other_dir)
     lines = [
@@ -259,17 +259,15 @@ def beside_table(out_dir: Path, other_dir: Path) -> list[str]:
     return [*lines, "", f"({'; '.join(notes)}.)", ""]
 
 
-def shadow_table(out_dir: Path) -> list[str]:
+def shadow_table(rows: list[dict], out_dir: Path) -> list[str]:
     """Markdown: a served run's shadow checks per (method, budget) (OUT/shadow.json) beside the
-    score that setting lost against full prefill on the same samples: does the live signal
-    predict the loss?"""
+    score that setting lost against full prefill on the same samples (`rows`, its summary; the
+    pooled rows where there are several tasks): does the live signal predict the loss?"""
     path = out_dir / "shadow.json"
     if not path.exists():
         return []
     shadow = json.loads(path.read_text())
-    rows = [r for r in json.loads((out_dir / "summary.json").read_text())["rows"] if r["task"] == OVERALL] or [
-        r for r in json.loads((out_dir / "summary.json").read_text())["rows"]
-    ]
+    rows = [r for r in rows if r["task"] == OVERALL] or rows
     full = {r["length"]: r["score"] for r in rows if r["method"] == "full"}
     lines = [
         "## Shadow checks beside the score lost",
@@ -320,8 +318,8 @@ def write_arena_report(out_dir: Path, beside: Path | None = None) -> tuple[Path,
         *(f"![{name}]({name})" for name in plots),
         "",
         *pair_tables(per_task),
-        *(beside_table(out_dir, beside) if beside is not None else []),
-        *shadow_table(out_dir),
+        *(beside_table(rows, out_dir, beside) if beside is not None else []),
+        *shadow_table(rows, out_dir),
         *table_md,
         "",
     ]

@@ -44,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.arena import ArenaPlan, read_rows, row_key, scored_row
+from hybridkv.eval.arena import ArenaPlan, answer_budget, read_rows, row_key, scored_row
 from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget
 
@@ -177,9 +177,7 @@ def run_served_arena(
     for sample in samples:
         context = [t for segment in sample.segments() for t in tokenizer.encode(segment)]
         question = tokenizer.encode(sample.question)
-        budget_tokens = sample.meta.get("tokens_to_generate", default_new_tokens)
-        if max_new_tokens is not None:
-            budget_tokens = min(budget_tokens, max_new_tokens)
+        budget_tokens = answer_budget(sample, default_new_tokens, max_new_tokens)
         prompts.append((len(prompts), sample, context, question, budget_tokens))
     longest = max(len(c) + len(q) + n for _, _, c, q, n in prompts)
     grid = served_grid(plan, horizon)
