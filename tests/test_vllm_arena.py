@@ -74,7 +74,8 @@ def _entries(store: Path, kind: str) -> list[tuple[Path, Entry]]:
 
 def _rewrite(path: Path, entry: Entry, pages: list) -> None:
     """Write `entry` back as a valid entry holding `pages`, which the connector trusts and loads."""
-    path.write_bytes(encode(Entry(entry.kind, entry.fingerprint, entry.key, entry.meta, dict(zip(entry.tensors, pages, strict=True)))))
+    tensors = dict(zip(entry.tensors, pages, strict=True))
+    path.write_bytes(encode(Entry(entry.kind, entry.fingerprint, entry.key, entry.meta, tensors)))
 
 
 def _rotate_states(store: Path) -> int:
