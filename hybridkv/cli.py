@@ -332,8 +332,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_vllm.add_argument(
         "--model",
         default=DEFAULT_BENCH_MODEL,
-        help="checkpoint directory vLLM can serve, or a seeded random-weight bench model written to OUT/<name>: "
-        "grid-2048 (vLLM derives a 2,176-token block for it, a production-shaped grid) or grid-640 (a fine grid)",
+        help="checkpoint directory vLLM can serve; tiny-qwen3-next-vllm, the trained model prompts of text go to "
+        "(first-token fidelity means something on it); or a seeded random-weight bench model written to OUT/<name>, "
+        "sent random token ids, for block grids and timing: grid-2048 (vLLM derives a 2,176-token block for it, a "
+        "production-shaped grid) or grid-640 (a fine grid)",
     )
     server_budget = comma_list(lambda text: text if text == ADAPTIVE else _budget_text(text), "budgets or adaptive")
     _add_fields(
@@ -470,15 +472,11 @@ def _vllm_bench(args: argparse.Namespace) -> None:
         raise HybridKVError(f"--min-prefix {args.min_prefix} / --max-prefix {args.max_prefix}: need 64 <= min <= max")
     try:
         from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
-        from hybridkv.integrations.vllm.models import BENCH_MODELS, write_servable
+        from hybridkv.integrations.vllm.models import bench_checkpoint
         from hybridkv.integrations.vllm.workloads import Shape
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
-    model = args.model
-    if model in BENCH_MODELS:
-        model = str(write_servable(args.out / model, model))
-    elif not Path(model).is_dir():
-        raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or one of {', '.join(BENCH_MODELS)})")
+    model = str(bench_checkpoint(args.model, args.out))
     run_bench(
         _config(BenchPlan, args, model=model, shape=_config(Shape, args)), args.out, show_progress=not args.no_progress
     )

@@ -4,11 +4,13 @@ checkpoints, corrupt entries and tenants' namespaces."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from hybridkv.cache.variants import MAX_VARIANTS
+from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore
 from hybridkv.methods import Budget, PositionsMatch
 from hybridkv.methods.seeded_replay import SeededReplay
@@ -245,6 +247,30 @@ def test_server_workloads_share_prefixes_where_they_say_and_differ_per_client_co
     assert 0 < repeats < len(rag)  # some requests hit passages seen before, some bring new ones
     assert make_sessions("shared-system", shape, 0, 1) != make_sessions("shared-system", shape, 0, 4)
     assert make_sessions("shared-system", shape, 0, 4) == make_sessions("shared-system", shape, 0, 4)
+
+
+def test_a_trained_model_is_sent_text_and_a_random_weight_model_random_ids(tmp_path):
+    from hybridkv.integrations.vllm.bench import prompt_tokens
+    from hybridkv.integrations.vllm.models import DEFAULT_BENCH_MODEL, bench_checkpoint
+    from hybridkv.integrations.vllm.workloads import Shape, Tokens, make_sessions
+    from hybridkv.models.tokenizer import load_tokenizer
+
+    shape = Shape(min_prefix=300, max_prefix=3000, requests=12, block_size=384)
+    trained = bench_checkpoint(DEFAULT_BENCH_MODEL, tmp_path)
+    tokens = prompt_tokens(str(trained), shape)
+    assert tokens.kind == "text" and len(tokens.text) >= 2 * shape.max_prefix
+    text = load_tokenizer(str(trained)).decode(list(tokens.text))
+    assert text.count(". ") > 100 and text.isascii()  # sentences, not noise
+    for name in ("shared-system", "multi-turn", "rag-mix", "grid-aligned"):
+        for session in make_sessions(name, shape, 0, 1, tokens):
+            for prompt in session:  # each prompt is whole pieces of the text, cut at seeded places
+                piece = prompt[:64]
+                assert any(list(tokens.text[i : i + 64]) == piece for i in range(len(tokens.text) - 63))
+    # the random-id path is the one the grid models always had
+    assert prompt_tokens(str(bench_checkpoint("grid-640", tmp_path)), shape) == Tokens()
+    assert make_sessions("rag-mix", shape, 0, 1) == make_sessions("rag-mix", shape, 0, 1, Tokens())
+    with pytest.raises(HybridKVError, match="longer than the 10-token text"):
+        Tokens(text=tuple(range(10))).draw(random.Random(0), 11)
 
 
 def test_vllm_bench_summary_report_and_plot(tmp_path):

@@ -45,7 +45,7 @@ from hybridkv.integrations.vllm.serve import (
     run_sessions,
     settle_shadow_checks,
 )
-from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, make_sessions
+from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, Tokens, make_sessions
 
 CONNECTOR_FIELDS = (
     "hook_ms_per_request", "wait_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request", "write_ms_per_request"
@@ -200,8 +200,22 @@ def ensure_calibrated(model: str) -> dict:
     return asdict(Calibration.read(path))
 
 
+def prompt_tokens(model: str, shape: Shape) -> Tokens:
+    """Stretches of the arena's pseudo-essay in the model's own tokens for a model that ships a
+    tokenizer (a trained one), seeded random ids for one that does not (a random-weight bench model)."""
+    from hybridkv.eval.workloads.essay import essay_words
+    from hybridkv.models.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        return Tokens()
+    # every word is at least one token: longer than any prompt piece a workload cuts from it
+    words = essay_words(2 * shape.max_prefix + 4096)
+    return Tokens(text=tuple(load_tokenizer(model).encode(" ".join(words))))
+
+
 def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    tokens = prompt_tokens(plan.model, plan.shape)
     calibration = ensure_calibrated(plan.model) if ADAPTIVE in plan.budgets else None
     max_model_len = plan.shape.max_prefix + 2048  # room for multi-turn's growth and every user turn
     warm_up = [[5] * 64]  # one-time start-up costs, outside every measurement
@@ -233,7 +247,9 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                 if not sessions:  # grid-aligned puts its prefixes on the block vLLM chose for this model
                     shape = replace(plan.shape, block_size=block_size)
                     sessions = {
-                        (w, c): make_sessions(w, shape, plan.seed, c) for w in plan.workloads for c in plan.clients
+                        (w, c): make_sessions(w, shape, plan.seed, c, tokens)
+                        for w in plan.workloads
+                        for c in plan.clients
                     }
                     longest = max(len(p) for runs in sessions.values() for s in runs for p in s)
                     if longest > max_model_len:
@@ -250,7 +266,7 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
                         spent = (spent or {}) | shadow_figures(before, settle_shadow_checks(servers))
                     run["results"][(name, clients)] = (replies, wall, spent)
             measured[(config, budget)] = run
-    summary = summarise(plan, measured) | {"calibration": calibration}
+    summary = summarise(plan, measured) | {"calibration": calibration, "prompts": tokens.kind}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "replies.json").write_text(json.dumps(reply_records(measured)) + "\n")
     (out / "report.md").write_text(report(summary))
@@ -524,6 +540,15 @@ def _token_cells(row: dict, base: dict) -> str:
     return f"{row['computed_tokens_per_request'] / computed:.2f} | {row['unmatched_tokens_per_request'] / computed:.2f}"
 
 
+_PROMPTS = {
+    "text": "Prompts: stretches of the arena's pseudo-essay in the model's own tokens; a trained model's first "
+    "token on text is decisive, so top-1 agreement and KL measure what recovery keeps.",
+    "random ids": "Prompts: seeded random token ids, for a random-weight model: its first-token distribution is "
+    "near uniform, so top-1 agreement is mostly tie-breaking (read `clear top-1`); these rows are for the block "
+    "grid and timing, and quality comes from a trained model (the default, `tiny-qwen3-next-vllm`).",
+}
+
+
 def report(summary: dict) -> str:
     shape = summary["shape"]
     blocks = sorted({r["block_size"] for r in summary["rows"]})
@@ -538,6 +563,8 @@ def report(summary: dict) -> str:
         "loop's waits for a lookup to answer (at most 50 ms a request, so a hit loads in that step), page copies "
         "into and out of vLLM's cache, lookups (key hashing, store reads, checksums) on their own thread, "
         "before a request's load, and writes (hashing, encoding, store puts) on the writer thread, after its answer.",
+        "",
+        _PROMPTS.get(summary.get("prompts"), ""),
         "",
     ]
     if calibration := summary.get("calibration"):

@@ -63,7 +63,9 @@ BENCH_MODELS = {
         ),
     )
 }
-DEFAULT_BENCH_MODEL = "grid-2048"
+# The trained checkpoint vLLM's CPU build serves: its first-token distributions are decisive, so the
+# bench's fidelity columns mean something; the grid models above are for block grids and timing.
+DEFAULT_BENCH_MODEL = "tiny-qwen3-next-vllm"
 _SAVE_ONLY = {"architectures", "dtype", "torch_dtype", "transformers_version"}  # set by save_pretrained
 
 
@@ -81,7 +83,22 @@ def gdn_grid_block(config: PreTrainedConfig, align: int = CPU_BLOCK_ALIGN) -> in
     return align * math.ceil((conv + recurrent) / (align * kv_per_token))
 
 
-def write_servable(path: str | Path, model: str = DEFAULT_BENCH_MODEL, seed: int = 0) -> Path:
+def bench_checkpoint(model: str, out: Path) -> Path:
+    """The directory `vllm serve` loads for `--model`: a bench model written to OUT/<name>, a
+    trained built-in model's own directory, or a checkpoint directory as given."""
+    from hybridkv.models.tiny import TRAINED_MODELS
+
+    if model in BENCH_MODELS:
+        return write_servable(out / model, model)
+    if model in TRAINED_MODELS:
+        return TRAINED_MODELS[model]
+    if Path(model).is_dir():
+        return Path(model)
+    known = ", ".join([*BENCH_MODELS, DEFAULT_BENCH_MODEL])
+    raise HybridKVError(f"--model {model!r}: not a checkpoint directory (or one of {known})")
+
+
+def write_servable(path: str | Path, model: str, seed: int = 0) -> Path:
     """Save the seeded bench model `model` (a BENCH_MODELS name) to `path`, in bfloat16."""
     from transformers import AutoModelForCausalLM
 

@@ -36,64 +36,76 @@ class Shape:
     max_prefix: int = field(default=16384, metadata={"help": "longest shared prefix (tokens)"})
     requests: int = field(default=24, metadata={"help": "requests per workload and client count"})
     block_size: int = 2176  # vLLM's block (the bench sets the one the server chose; grid-aligned uses it)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Where prompt tokens come from: stretches of `text` (a tokenised corpus) at seeded places, or,
+    with no text, seeded random ids in [3, vocab) (3: clear of the special ids)."""
+
+    text: tuple[int, ...] = ()
     vocab: int = 500
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        if not self.text:
+            return [rng.randrange(3, self.vocab) for _ in range(n)]
+        if n > len(self.text):
+            raise HybridKVError(f"a {n}-token prompt piece is longer than the {len(self.text)}-token text cut from")
+        start = rng.randrange(0, len(self.text) - n + 1)
+        return list(self.text[start : start + n])
+
+    @property
+    def kind(self) -> str:
+        return "text" if self.text else "random ids"
 
 
 Sessions = list[list[list[int]]]
-
-
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 def _prefix_length(rng: random.Random, shape: Shape) -> int:
     return round(math.exp(rng.uniform(math.log(shape.min_prefix), math.log(shape.max_prefix))))
 
 
-def shared_system(rng: random.Random, shape: Shape) -> Sessions:
-    systems = [_tokens(rng, _prefix_length(rng, shape), shape.vocab) for _ in range(max(1, shape.requests // 6))]
-    return [
-        [systems[i % len(systems)] + _tokens(rng, rng.randint(32, 512), shape.vocab)] for i in range(shape.requests)
-    ]
+def shared_system(rng: random.Random, shape: Shape, tokens: Tokens) -> Sessions:
+    systems = [tokens.draw(rng, _prefix_length(rng, shape)) for _ in range(max(1, shape.requests // 6))]
+    return [[systems[i % len(systems)] + tokens.draw(rng, rng.randint(32, 512))] for i in range(shape.requests)]
 
 
-def multi_turn(rng: random.Random, shape: Shape, turns: int = 4) -> Sessions:
+def multi_turn(rng: random.Random, shape: Shape, tokens: Tokens, turns: int = 4) -> Sessions:
     sessions = []
     for _ in range(max(1, shape.requests // turns)):
-        prompt = _tokens(rng, _prefix_length(rng, shape) // 2, shape.vocab)  # room for the turns to grow
+        prompt = tokens.draw(rng, _prefix_length(rng, shape) // 2)  # room for the turns to grow
         conversation = [prompt]
         for _ in range(turns - 1):
-            reply = _tokens(rng, rng.randint(64, 256), shape.vocab)  # the assistant's, fixed here
-            prompt = prompt + reply + _tokens(rng, rng.randint(32, 256), shape.vocab)
+            reply = tokens.draw(rng, rng.randint(64, 256))  # the assistant's, fixed here
+            prompt = prompt + reply + tokens.draw(rng, rng.randint(32, 256))
             conversation.append(prompt)
         sessions.append(conversation)
     return sessions
 
 
-def rag_mix(rng: random.Random, shape: Shape, miss_rate: float = 0.3) -> Sessions:
-    header = _tokens(rng, 128, shape.vocab)
+def rag_mix(rng: random.Random, shape: Shape, tokens: Tokens, miss_rate: float = 0.3) -> Sessions:
+    header = tokens.draw(rng, 128)
     seen: list[list[int]] = []
     sessions = []
     for _ in range(shape.requests):
         if not seen or rng.random() < miss_rate:
-            seen.append(header + _tokens(rng, _prefix_length(rng, shape) - len(header), shape.vocab))
+            seen.append(header + tokens.draw(rng, _prefix_length(rng, shape) - len(header)))
             passages = seen[-1]
         else:
             passages = rng.choice(seen)
-        sessions.append([passages + _tokens(rng, rng.randint(16, 64), shape.vocab)])
+        sessions.append([passages + tokens.draw(rng, rng.randint(16, 64))])
     return sessions
 
 
-def grid_aligned(rng: random.Random, shape: Shape) -> Sessions:
+def grid_aligned(rng: random.Random, shape: Shape, tokens: Tokens) -> Sessions:
     blocks = range(max(1, shape.min_prefix // shape.block_size), max(1, shape.max_prefix // shape.block_size) + 1)
     count = max(1, shape.requests // 6)
-    prefixes = [_tokens(rng, rng.choice(blocks) * shape.block_size, shape.vocab) for _ in range(count)]
-    return [
-        [prefixes[i % len(prefixes)] + _tokens(rng, rng.randint(32, 512), shape.vocab)] for i in range(shape.requests)
-    ]
+    prefixes = [tokens.draw(rng, rng.choice(blocks) * shape.block_size) for _ in range(count)]
+    return [[prefixes[i % len(prefixes)] + tokens.draw(rng, rng.randint(32, 512))] for i in range(shape.requests)]
 
 
-SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape], Sessions]] = {
+SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape, Tokens], Sessions]] = {
     "shared-system": shared_system,
     "multi-turn": multi_turn,
     "rag-mix": rag_mix,
@@ -101,9 +113,9 @@ SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape], Sessions]] = {
 }
 
 
-def make_sessions(name: str, shape: Shape, seed: int, clients: int) -> Sessions:
+def make_sessions(name: str, shape: Shape, seed: int, clients: int, tokens: Tokens = Tokens()) -> Sessions:
     """A workload's sessions, the same for every configuration (and new for every client count, so
     one run cannot warm the next)."""
     if name not in SERVER_WORKLOADS:
         raise HybridKVError(f"unknown server workload {name!r}: one of {', '.join(SERVER_WORKLOADS)}")
-    return SERVER_WORKLOADS[name](random.Random(f"hybridkv-serve|{name}|{seed}|{clients}"), shape)
+    return SERVER_WORKLOADS[name](random.Random(f"hybridkv-serve|{name}|{seed}|{clients}"), shape, tokens)
