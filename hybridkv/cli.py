@@ -332,10 +332,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_vllm.add_argument(
         "--model",
         default=DEFAULT_BENCH_MODEL,
-        help="checkpoint directory vLLM can serve; tiny-qwen3-next-vllm, the trained model prompts of text go to "
-        "(first-token fidelity means something on it); or a seeded random-weight bench model written to OUT/<name>, "
-        "sent random token ids, for block grids and timing: grid-2048 (vLLM derives a 2,176-token block for it, a "
-        "production-shaped grid) or grid-640 (a fine grid)",
+        help="checkpoint directory vLLM can serve (one with a tokenizer is sent text); tiny-qwen3-next-vllm, a "
+        "trained model sent text, so first-token fidelity means something; or a seeded random-weight bench model "
+        "written to OUT/<name> and sent random token ids, for block grids and timing: grid-2048 (vLLM derives a "
+        "2,176-token block for it, a production-shaped grid) or grid-640 (a fine grid)",
     )
     server_budget = comma_list(lambda text: text if text == ADAPTIVE else _budget_text(text), "budgets or adaptive")
     _add_fields(
