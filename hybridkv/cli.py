@@ -323,7 +323,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "Starts one `vllm serve` process (vLLM's OpenAI server) per configuration - no prefix caching, vLLM's own "
             "hybrid prefix cache (align mode), vLLM with HybridKVConnector at each budget - and sends each the same "
             "workloads over HTTP from 1, 4 and 16 concurrent clients: shared system prompts with user turns of varied "
-            "length, multi-turn conversations, a RAG-like mix with 30%% misses, and prefixes on vLLM's block grid. "
+            "length, multi-turn conversations, a RAG-like mix with 30% misses, and prefixes on vLLM's block grid. "
             "Writes OUT/summary.json (one row per workload, config, clients and budget), OUT/report.md and a TTFT plot "
             "per workload. Needs the vllm extra (pip install 'hybridkv[vllm]')."
         ),
