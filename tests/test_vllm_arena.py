@@ -200,6 +200,19 @@ def test_a_scrambled_state_or_attention_page_moves_what_the_server_answers(needl
         assert not any(gold in from_swapped for gold in sample.golds)
 
 
+def test_layer_counts_come_from_every_servable_family_s_config():
+    """Nemotron-H's config.json names its layers in `layers_block_type`, with no `num_hidden_layers`:
+    the served arena must count them as transformers does, or it fails before serving."""
+    from hybridkv.integrations.vllm.arena import _model_facts
+
+    for name in ("tiny-qwen3-next-vllm", "tiny-nemotron-h"):
+        raw = json.loads((WEIGHTS_DIR / name / "config.json").read_text())
+        layers, eos = _model_facts(str(WEIGHTS_DIR / name))
+        assert layers == raw.get("num_hidden_layers", len(raw.get("layers_block_type", ()))) > 0
+        assert eos == [raw["eos_token_id"]]
+    assert "num_hidden_layers" not in json.loads((WEIGHTS_DIR / "tiny-nemotron-h" / "config.json").read_text())
+
+
 def test_the_served_grid_refuses_what_a_server_cannot_run():
     with pytest.raises(HybridKVError, match="runs only in the harness"):
         served_grid(ArenaPlan("ruler", ["zero-state"], []), horizon=lambda: 0)

@@ -135,14 +135,13 @@ def generate(
 
 
 def _model_facts(model: str) -> tuple[int, list[int]]:
-    """(layer count, end-of-sequence ids) from the checkpoint's config.json."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise HybridKVError(f"--engine vllm needs a checkpoint directory vLLM serves; {model}: {err}") from None
-    eos = config.get("eos_token_id")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return config["num_hidden_layers"], eos_ids
+    """(layer count, end-of-sequence ids) from the checkpoint's config, as transformers reads it
+    (Nemotron-H's config.json gives its layers as `layers_block_type`, not `num_hidden_layers`)."""
+    from hybridkv.eval.plan import load_config
+
+    config = load_config(model)
+    eos = config.eos_token_id
+    return config.num_hidden_layers, [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def run_served_arena(
