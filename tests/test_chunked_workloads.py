@@ -23,15 +23,16 @@ def prompt_tokens(sample: Sample, tokenizer) -> int:
     return sum(len(tokenizer.encode(chunk)) for chunk in sample.chunks) + len(tokenizer.encode(sample.question))
 
 
+@pytest.mark.parametrize("task", rag.TASKS)
 @pytest.mark.parametrize("length", [2048, 4096, 16384])
-def test_rag_passages_fit_hold_their_fact_once_and_recur_across_samples(length):
+def test_rag_passages_fit_hold_their_fact_once_and_recur_across_samples(length, task):
     tokenizer = ByteTokenizer()
-    samples = rag.generate("rag", length, 24, tokenizer, seed=3)
+    samples = rag.generate(task, length, 24, tokenizer, seed=3)
     texts: dict[int, set[str]] = defaultdict(set)  # passage id -> its texts across samples
     places: dict[int, set[int]] = defaultdict(set)  # passage id -> chunk indices it took
     for sample in samples:
         assert "".join(sample.chunks) == sample.context and sample.chunks[0] == rag.HEADER
-        assert prompt_tokens(sample, tokenizer) + rag.TOKENS_TO_GENERATE["rag"] <= length
+        assert prompt_tokens(sample, tokenizer) + rag.TOKENS_TO_GENERATE[task] <= length
         assert prompt_tokens(sample, tokenizer) > 0.85 * length  # grown to fill the length
         (gold,) = sample.golds
         assert sample.context.count(gold) == 1 and gold in sample.chunks[sample.meta["gold_chunk"]]
@@ -42,7 +43,26 @@ def test_rag_passages_fit_hold_their_fact_once_and_recur_across_samples(length):
             texts[passage].add(sample.chunks[place])
             places[passage].add(place)
     assert all(len(t) == 1 for t in texts.values())  # a passage reads the same wherever it lands
-    assert any(len(p) > 1 for p in places.values())  # and lands in different places
+    if len({s.context for s in samples}) > 1:  # rag-shared at 16K asks all 24 of one set
+        assert any(len(p) > 1 for p in places.values())  # and lands in different places
+
+
+@pytest.mark.parametrize("length", [2048, 4096])
+def test_rag_shared_asks_every_passage_of_one_retrieved_set_once(length):
+    """The shared-context case: a set's questions share its context to the byte (so a server
+    caches it once), each asks a different passage of it, and the next set is another context."""
+    tokenizer = ByteTokenizer()
+    samples = rag.generate("rag-shared", length, 20, tokenizer, seed=1)
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        groups[sample.meta["context_group"]].append(sample)
+    per_set = len(samples[0].meta["passages"])
+    assert len(samples) == 20 and len(groups) == -(-20 // per_set)
+    for members in groups.values():
+        assert len({m.context for m in members}) == 1 and len({m.question for m in members}) == len(members)
+        assert sorted(m.meta["gold_chunk"] for m in members) == list(range(1, len(members) + 1))
+        assert len(members) == per_set or members is groups[max(groups)]  # only the last set is cut short
+    assert len({members[0].context for members in groups.values()}) == len(groups)
 
 
 def test_agent_reports_need_two_different_reports():

@@ -51,6 +51,11 @@ def match(walk: PrefixWalk, prompt: list[int]) -> Walk[int]:
     return walk.match(KEYS, KEYS.chain(prompt), np.asarray(prompt, dtype=np.int64), decode)
 
 
+def ends(walk: PrefixWalk, prompt: list[int]) -> list[int]:
+    wanted = np.asarray(prompt, dtype=np.int64)
+    return walk.prompt_ends(KEYS, KEYS.chain(prompt), wanted, match(walk, prompt).length)
+
+
 def test_whole_blocks_by_key_then_the_listed_block_sharing_most_where_the_prompt_diverges():
     walk = walker()
     header = list(range(100, 109))  # two whole blocks and the first token of the third
@@ -64,6 +69,24 @@ def test_whole_blocks_by_key_then_the_listed_block_sharing_most_where_the_prompt
     assert found.length == 14 and found.blocks[-1].tokens == [4, 5, 6, 7]
     assert match(walk, header + [6, 0]).blocks[-1].tokens == [108, 6, 6]
     assert match(walk, [5, *header]).length == 0  # nothing stored starts with 5
+
+
+def test_a_shorter_stored_prompt_the_longer_block_hides_is_named_by_where_it_ends():
+    """A shared document (ending inside a block) then one question on it: another question's walk
+    takes the first question's block (it shares the question's opening words too), and learns
+    where the document's own prompt ended, where its checkpoint would be."""
+    walk = walker()
+    document = list(range(100, 110))  # two whole blocks and two tokens of the third
+    save(walk, document)
+    save(walk, document + [7, 7, 1])  # the first question
+    found = match(walk, document + [7, 7, 2])
+    assert found.length == 12 and found.blocks[-1].tokens == [108, 109, 7, 7]
+    assert ends(walk, document + [7, 7, 2]) == [10]
+    assert match(walk, document + [6, 6]).blocks[-1].tokens == [108, 109]  # the document's own block,
+    assert ends(walk, document + [6, 6]) == []  # which marks its checkpoint itself
+    assert ends(walk, document + [7]) == [10]  # the first question's block, one token past the document
+    assert ends(walk, document) == []  # the match ends where the document does (a checkpoint it marks)
+    assert ends(walk, [*document[:9], 5, 5]) == []  # nor one the prompt does not hold whole
 
 
 def test_a_missing_block_ends_the_walk_even_where_later_ones_are_stored():

@@ -97,6 +97,28 @@ def test_a_match_ending_where_a_shorter_prompt_ended_resumes_from_its_checkpoint
     assert (resume.matched, resume.start) == (40, 40) and resume.states is not None
 
 
+def test_a_second_question_on_a_shared_document_resumes_from_the_document_s_checkpoint(blocks):
+    """The document D (state stored at its end), then D + question 1 (its blocks after D's start,
+    its own state at its end). Question 2 shares question 1's first words, so its match runs past
+    D's end through question 1's block, which marks no state at D's end: the resume still starts
+    exactly there, from D's state, instead of replaying a tail from zeros."""
+    document = list(range(5, 45))  # ends inside block 2
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    blocks.save_state(document, len(document), state)
+    blocks.save_blocks(document, 0, pages_for(document), state_at=len(document))
+    first = document + [300, 301, 302, 303, 304]
+    blocks.save_state(first, len(first), {"gdn.0": torch.zeros(40, dtype=torch.uint8)})
+    blocks.save_blocks(first, 2, pages_for(first, first=2), state_at=len(first))
+    second = document + [300, 301, 999, 998, 997]
+    resume = blocks.resume(second, LAYOUT, STATES, Budget(fraction=0.2))
+    assert (resume.matched, resume.start, resume.exact) == (42, 40, True)
+    assert torch.equal(resume.states["gdn.0"], state["gdn.0"]) and len(resume.blocks) == 3
+    # A state that never was stored there (a zero-state server's document) is a zero-state tail.
+    blocks.store.delete(blocks.state_key(document, len(document)))
+    resume = blocks.resume(second, LAYOUT, STATES, Budget(fraction=0.2))
+    assert (resume.start, resume.states, resume.exact) == (34, None, False)
+
+
 def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
     prompt = list(range(5, 45))
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}

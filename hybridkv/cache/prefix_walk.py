@@ -94,6 +94,19 @@ class PrefixWalk:
                 self._take(found, key, entry, wanted, start, decode)
         return found
 
+    def prompt_ends(self, keys: PrefixKeys, chain: list[bytes], wanted: np.ndarray, length: int) -> list[int]:
+        """Where shorter stored prompts that `wanted` extends end inside the block holding its
+        match's last token, before the match does (`length`). The block a walk takes there may be
+        a longer prompt's (a question on a shared document shares the document and the question's
+        first words), whose entry does not mark the shorter one's checkpoint; the slot lists every
+        block stored there."""
+        if length == 0:
+            return []
+        index = (length - 1) // keys.block_tokens
+        start = index * keys.block_tokens
+        slot = variant_slot_key(chain[index], int(wanted[start]))
+        return [start + n for n in self.variants.held_whole(slot, wanted[start:length]) if start + n < length]
+
     def _take(
         self, found: Walk[Page], key: str, entry: Entry | None, wanted: np.ndarray, start: int, decode: Decode[Page]
     ) -> bool:

@@ -62,3 +62,9 @@ class BlockVariants:
             if common > shared or (common == shared and common and len(run) == common):
                 best, shared = run, common
         return None if best is None else best.tolist()
+
+    def held_whole(self, slot: str, ahead: np.ndarray) -> list[int]:
+        """The lengths of the listed blocks `ahead` begins with whole: prompts stored earlier that
+        end inside this block and that the prompt extends (a shared document, before another
+        question), each with its checkpoint, if one was stored, at its end."""
+        return sorted({len(run) for run in self.runs(slot) if common_length(run.numpy(), ahead) == len(run)})

@@ -11,6 +11,11 @@ index or position, so its cache is the same wherever it lands.
 `Sample.chunks` is [header, passage, ..., passage]; only the header is a prefix shared by every
 prompt. Passages hold about `PASSAGE_TOKENS` tokens each and K grows with the length (7 at 4K,
 63 at 32K with the byte tokenizer).
+
+`rag-shared` is the shared-context case on the same corpus: one retrieved set of K passages is
+asked K questions, one per passage, so K samples share their context exactly (the document
+cached once, every question a hit on it at its full length, as in `prefix`). Its facts are the
+same titled passages as `rag`'s, one fact per passage.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting, plac
 from hybridkv.eval.workloads.essay import essay_passage
 from hybridkv.eval.workloads.words import ADJECTIVES, NOUNS
 
-TASKS = ("rag",)
-TOKENS_TO_GENERATE = {"rag": 16}
+TASKS = ("rag", "rag-shared")
+TOKENS_TO_GENERATE = {"rag": 16, "rag-shared": 16}
 PASSAGE_TOKENS = 512
 CORPUS_FACTOR = 4  # the corpus holds 4 × K passages, so each recurs in about K × n / corpus samples
 HEADER = "Answer the question using the passages below. Give only the number.\n\n"
@@ -48,8 +53,9 @@ def _passage(index: int, words: int, title: str, value: str, depth: float) -> st
 
 def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path: str | None = None) -> list[Sample]:
     """`n` questions, each over K passages of one seeded corpus; every prompt (chunks tokenised
-    one by one, then the question) plus the answer fits `length` tokens."""
-    if task != "rag":
+    one by one, then the question) plus the answer fits `length` tokens. `rag` draws a new set of
+    passages for every question; `rag-shared` asks every passage of a set in turn (ceil(n / K) sets)."""
+    if task not in TASKS:
         raise HybridKVError(f"unknown rag task {task!r}; one of {', '.join(TASKS)}")
     budget = length - TOKENS_TO_GENERATE[task]
     header_tokens = len(tokenizer.encode(HEADER))
@@ -73,33 +79,42 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
     if words == 0:
         raise HybridKVError(f"rag: {length} tokens cannot hold {passages_per_prompt} passages and a question")
     passages = [_passage(i, words, *fact) for i, fact in enumerate(corpus)]
-    samples = []
-    for index in range(n):
-        sample_rng = random.Random(f"hybridkv-rag-{seed}-{length}-{index}")
-        gold = index % len(corpus)  # every passage answers a question before any answers two
-        others = sample_rng.sample([i for i in range(len(corpus)) if i != gold], passages_per_prompt - 1)
-        chosen = [*others]
-        chosen.insert(sample_rng.randrange(passages_per_prompt), gold)
+
+    def sample(sample_id: str, chosen: list[int], gold: int, extra: dict) -> Sample:
         title, value, _ = corpus[gold]
         chunks = [HEADER, *(passages[i] for i in chosen)]
-        samples.append(
-            Sample(
-                id=f"rag-{length}-{index}",
-                task="rag",
-                length=length,
-                context="".join(chunks),
-                question=_QUESTION.format(title=title),
-                golds=[value],
-                chunks=chunks,
-                meta={
-                    "passages": chosen,
-                    "gold_chunk": 1 + chosen.index(gold),
-                    "passage_words": words,
-                    "context_tokens": sum(len(tokenizer.encode(c)) for c in chunks),
-                    "tokens_to_generate": TOKENS_TO_GENERATE[task],
-                },
-            )
+        return Sample(
+            id=sample_id,
+            task=task,
+            length=length,
+            context="".join(chunks),
+            question=_QUESTION.format(title=title),
+            golds=[value],
+            chunks=chunks,
+            meta={
+                "passages": chosen,
+                "gold_chunk": 1 + chosen.index(gold),
+                "passage_words": words,
+                "context_tokens": sum(len(tokenizer.encode(c)) for c in chunks),
+                "tokens_to_generate": TOKENS_TO_GENERATE[task],
+                **extra,
+            },
         )
+
+    samples = []
+    if task == "rag":
+        for index in range(n):
+            sample_rng = random.Random(f"hybridkv-rag-{seed}-{length}-{index}")
+            gold = index % len(corpus)  # every passage answers a question before any answers two
+            chosen = sample_rng.sample([i for i in range(len(corpus)) if i != gold], passages_per_prompt - 1)
+            chosen.insert(sample_rng.randrange(passages_per_prompt), gold)
+            samples.append(sample(f"rag-{length}-{index}", chosen, gold, {}))
+        return samples
+    for group in range(-(-n // passages_per_prompt)):
+        group_rng = random.Random(f"hybridkv-rag-shared-{seed}-{length}-{group}")
+        chosen = group_rng.sample(range(len(corpus)), passages_per_prompt)
+        for place, gold in enumerate(chosen[: n - len(samples)]):
+            samples.append(sample(f"rag-shared-{length}-{group}-{place}", chosen, gold, {"context_group": group}))
     return samples
 
 
@@ -107,4 +122,4 @@ def score(task: str, prediction: str, golds: list[str], meta: dict | None = None
     return string_match_all(prediction, golds)
 
 
-WORKLOAD = Workload(name="rag", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
+WORKLOAD = Workload(name="rag", tasks=TASKS, default_tasks=("rag",), generate=generate, score=score)

@@ -15,10 +15,12 @@ greedily from the prefix hit, to the task's answer length or the model's end-of-
 | `horizon-replay`    | the same; tail: the calibrated horizon    | context, then context + question |
 | `checkpoint`        | HybridKVConnector storing final states    | context, then context + question |
 
-`tail-replay` runs at every plan budget through the request's own `replay_budget`. Every (sample,
-method, budget) has a namespace of its own (`cache_salt`), as the harness caches each sample alone:
-no budget reads another's pages, and samples sharing a prefix (RULER's haystacks) never resume from
-each other's (whose states would be the other sample's replayed, inexact ones). `horizon-replay` replays
+`tail-replay` runs at every plan budget through the request's own `replay_budget`. Every (context,
+method, budget) has a namespace of its own (`cache_salt`): no budget reads another's pages, and
+samples sharing only a prefix (RULER's haystacks) never resume from each other's (whose states
+would be the other sample's replayed, inexact ones). Samples sharing their whole context
+(`prefix`, `rag-shared`) share its namespace: the context is served once, and every question on it
+is a hit on that one request's pages and states, as a shared document is in traffic. `horizon-replay` replays
 the forgetting horizon `hybridkv calibrate` measures on the model (measured first when none is
 beside it): the connector's `"replay_horizon": "calibrated"`; its rows carry that tail as a
 token budget, so the harness's `tail-replay@<N>tok` is its counterpart. With stored states the
@@ -179,6 +181,9 @@ def run_served_arena(
         budget_tokens = answer_budget(sample, default_new_tokens, max_new_tokens)
         prompts.append((len(prompts), sample, context, question, budget_tokens))
     longest = max(len(c) + len(q) + n for _, _, c, q, n in prompts)
+    context_ids: dict[tuple[int, ...], int] = {}
+    for _, _, context, _, _ in prompts:
+        context_ids.setdefault(tuple(context), len(context_ids))
     grid = served_grid(plan, horizon)
     todo = {
         id(served): [
@@ -209,21 +214,23 @@ def run_served_arena(
             with Server(spec, out_dir / "logs" / f"{served.label}.log") as server:
                 progress.set_postfix_str(served.label)
                 setting, before = None, {}
-                for (index, sample, context, question, new_tokens), name, budget in todo[id(served)]:
+                served_contexts: set[str] = set()  # the namespaces whose context this server has been sent
+                for (_, sample, context, question, new_tokens), name, budget in todo[id(served)]:
                     if checked and (name, str(budget)) != setting:  # a new setting: count its checks alone
                         if setting is not None:
                             shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
                         setting, before = (name, str(budget)), settle_shadow_checks([server])
-                    # Each sample in a namespace of its own, as the harness caches each sample alone:
-                    # samples that share a prefix (RULER's haystacks) never resume from each other.
-                    salt = f"{name}-{budget}-{index}"  # vLLM takes no "@" in a cache_salt
+                    # Each context in a namespace of its own: samples that share only a prefix (RULER's
+                    # haystacks) never resume from each other; those sharing the context share it.
+                    salt = f"{name}-{budget}-{context_ids[tuple(context)]}"  # vLLM takes no "@" in a cache_salt
                     params = {"replay_budget": str(budget)} if budget is not None else None
                     if name == "no-context":
                         prompt = question
                     else:
                         prompt = context + question
-                        if name != "full":  # the context first, as a conversation's last turn was
+                        if name != "full" and salt not in served_contexts:  # the context first, once
                             generate(client, server, context, 1, eos_ids, salt, params)
+                            served_contexts.add(salt)
                     answer = generate(client, server, prompt, new_tokens, eos_ids, salt, params)
                     row = _row(plan, sample, name, budget, answer, context, question, layers, tokenizer, score)
                     sink.write(json.dumps(row, sort_keys=True) + "\n")

@@ -41,7 +41,7 @@ class PageMatch:
 
     length: int = 0  # tokens matched, at token granularity
     blocks: list[Pages] = field(default_factory=list)  # pages of the blocks covering [0, length)
-    checkpoints: list[int] = field(default_factory=list)  # positions ≤ length with a stored state
+    checkpoints: list[int] = field(default_factory=list)  # positions ≤ length where a state may be stored
     exact: list[bool] = field(default_factory=list)  # per block: computed exactly (see BlockStore)
 
 
@@ -169,22 +169,34 @@ class BlockStore:
             budget = Budget(tokens=min(horizon, budget.tail_tokens(found.length)))
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
-        checkpoints = tuple(c for c in found.checkpoints if c % alignment == 0)
-        recipe = SeededReplay().recipe(PositionsMatch(found.length, checkpoints), budget)
-        start, states, exact_states = recipe.state_position, None, False
-        if recipe.state_seed:
+        checkpoints = [c for c in found.checkpoints if c % alignment == 0]
+        if not SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget).state_seed:
+            checkpoints += [c for c in self._prompt_ends(tokens, found.length, salt) if c % alignment == 0]
+        states, exact_states = None, False
+        while True:  # the latest checkpoint in the tail that reads, else the tail from zero state
+            recipe = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
+            start = recipe.state_position
+            if not recipe.state_seed:
+                break
             entry = self._read(self.state_key(tokens, start, salt), "vllm-state")
             if entry is not None and _fits(entry.tensors, state_layout):
                 states, exact_states = entry.tensors, entry.meta.get("exact") is not False
-            else:  # the checkpoint is gone or unusable: fall back to a zero-state replay
-                if entry is not None:
-                    self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
-                start = SeededReplay().recipe(PositionsMatch(found.length), budget).state_position
+                break
+            if entry is not None:  # gone (or never stored: a prompt end) is a miss; this is corrupt
+                self.store.corrupt(self.state_key(tokens, start, salt), "state does not match this engine's layout")
+            checkpoints.remove(start)
         if states is None:
             start -= start % alignment
         loaded = -(-start // self.block_size) if start else 0
         exact = start == 0 or (exact_states and all(found.exact[:loaded]))
         return ResumePlan(found.length, start, found.blocks[:loaded], states, exact)
+
+    def _prompt_ends(self, tokens: list[int], length: int, salt: str | None) -> list[int]:
+        """Where shorter stored prompts this one extends end in the match's last block: a shared
+        document's end, before another question, where its checkpoint may be (a read says)."""
+        keys, limit = self.keys(salt), len(tokens) - 1
+        wanted = np.asarray(tokens[:limit], dtype=np.int64)
+        return self._walk.prompt_ends(keys, keys.chain(tokens[:limit]), wanted, length)
 
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:
