@@ -51,9 +51,9 @@ def match(walk: PrefixWalk, prompt: list[int]) -> Walk[int]:
     return walk.match(KEYS, KEYS.chain(prompt), np.asarray(prompt, dtype=np.int64), decode)
 
 
-def ends(walk: PrefixWalk, prompt: list[int]) -> list[int]:
+def ends(walk: PrefixWalk, prompt: list[int], since: int = 0) -> list[int]:
     wanted = np.asarray(prompt, dtype=np.int64)
-    return walk.prompt_ends(KEYS, KEYS.chain(prompt), wanted, match(walk, prompt).length)
+    return walk.prompt_ends(KEYS, KEYS.chain(prompt), wanted, since, match(walk, prompt).length)
 
 
 def test_whole_blocks_by_key_then_the_listed_block_sharing_most_where_the_prompt_diverges():
@@ -87,6 +87,12 @@ def test_a_shorter_stored_prompt_the_longer_block_hides_is_named_by_where_it_end
     assert ends(walk, document + [7]) == [10]  # the first question's block, one token past the document
     assert ends(walk, document) == []  # the match ends where the document does (a checkpoint it marks)
     assert ends(walk, [*document[:9], 5, 5]) == []  # nor one the prompt does not hold whole
+    assert ends(walk, document + [7, 7, 2], since=11) == []  # nor one before the tail
+    # A first question crossing a block boundary: the second's match ends a block later, and the
+    # document's end is found in the block before.
+    save(walk, document + [7, 7, 8, 8, 8, 1])
+    assert match(walk, document + [7, 7, 8, 8, 8, 2]).length == 15
+    assert ends(walk, document + [7, 7, 8, 8, 8, 2]) == [10]
 
 
 def test_a_missing_block_ends_the_walk_even_where_later_ones_are_stored():

@@ -60,6 +60,37 @@ def test_served_answers_from_exact_pages_equal_vllm_alones(needles, tmp_path):
         assert checkpoint["exact_state"] is True and checkpoint["replayed_tokens"] == 0
 
 
+def test_questions_on_one_shared_context_hit_its_one_served_request_and_resume_exactly(monkeypatch, tmp_path):
+    """`rag-shared`: three questions on one retrieved set. The context goes to the server once;
+    every question is a hit on it, and with stored states each resumes from the exact state at
+    the context's end, though the second and third match past it, through the first question's
+    block (the questions share their opening words), which marks no state there."""
+    from hybridkv.integrations.vllm import arena
+
+    tokenizer, rag = load_tokenizer(str(MODEL)), get_workload("rag")
+    samples = rag.generate("rag-shared", 2048, 3, tokenizer)
+    context = tokenizer.encode(samples[0].context)
+    sent: list[tuple[str, int]] = []  # (namespace, max_tokens) of every context-only request
+    real = arena.generate
+
+    def spy(client, server, prompt, max_tokens, *args, **kwargs):
+        if prompt == context:
+            sent.append((args[1], max_tokens))
+        return real(client, server, prompt, max_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(arena, "generate", spy)
+    run_served_arena(str(MODEL), tokenizer, samples, ArenaPlan("rag", ["full", "checkpoint"], []), tmp_path,
+                     rag.score, horizon=lambda: 0, show_progress=False)  # fmt: skip
+    assert sent == [("checkpoint-None-0", 1)]  # once, in the checkpoint's namespace; full sends none
+    by = {(r["id"], r["method"]): r for r in read_rows(tmp_path / "results.jsonl")}
+    assert sum(by[(s.id, "full")]["score"] for s in samples) >= 2  # the model answers: scores mean something
+    for sample in samples:
+        full, resumed = by[(sample.id, "full")], by[(sample.id, "checkpoint")]
+        assert resumed["exact_state"] is True and resumed["reused_tokens"] == len(context)
+        assert resumed["matched_tokens"] >= len(context) and resumed["score"] == full["score"]
+    assert any(by[(s.id, "checkpoint")]["matched_tokens"] > len(context) for s in samples[1:])
+
+
 def _entries(store: Path, kind: str) -> list[tuple[Path, Entry]]:
     """Every `kind` entry of a file store, decoded, with its path."""
     found = []

@@ -34,6 +34,7 @@ Page = TypeVar("Page")
 Decode = Callable[[str, Entry, int], tuple[list[int], Page]]
 
 READ_BATCH = 8  # keys per round trip, at most, on a backend with batched reads
+PROMPT_END_BLOCKS = 2  # blocks `prompt_ends` reads back from a match's end (a replay tail rarely spans more)
 
 
 @dataclass
@@ -94,18 +95,24 @@ class PrefixWalk:
                 self._take(found, key, entry, wanted, start, decode)
         return found
 
-    def prompt_ends(self, keys: PrefixKeys, chain: list[bytes], wanted: np.ndarray, length: int) -> list[int]:
-        """Where shorter stored prompts that `wanted` extends end inside the block holding its
-        match's last token, before the match does (`length`). The block a walk takes there may be
-        a longer prompt's (a question on a shared document shares the document and the question's
-        first words), whose entry does not mark the shorter one's checkpoint; the slot lists every
-        block stored there."""
-        if length == 0:
-            return []
-        index = (length - 1) // keys.block_tokens
-        start = index * keys.block_tokens
-        slot = variant_slot_key(chain[index], int(wanted[start]))
-        return [start + n for n in self.variants.held_whole(slot, wanted[start:length]) if start + n < length]
+    def prompt_ends(
+        self, keys: PrefixKeys, chain: list[bytes], wanted: np.ndarray, since: int, length: int
+    ) -> list[int]:
+        """Where shorter stored prompts that `wanted` extends end inside [since, length), in the
+        last `PROMPT_END_BLOCKS` blocks of the match, one read each. A block the walk took there
+        may be a longer prompt's (a question on a shared document shares the document and the
+        question's first words, perhaps past a block boundary), whose entry does not mark the
+        shorter one's checkpoint; each block's slot lists every block stored there."""
+        size, ends = keys.block_tokens, []
+        last = (length - 1) // size
+        for index in range(last, max(since // size, last - PROMPT_END_BLOCKS + 1, 0) - 1, -1):
+            start = index * size
+            ahead = wanted[start:length]
+            slot = variant_slot_key(chain[index], int(ahead[0]))
+            ends += [
+                start + n for n in self.variants.held_whole(slot, ahead) if n < size and since <= start + n < length
+            ]
+        return sorted(ends)
 
     def _take(
         self, found: Walk[Page], key: str, entry: Entry | None, wanted: np.ndarray, start: int, decode: Decode[Page]

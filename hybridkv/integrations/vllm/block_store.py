@@ -170,8 +170,10 @@ class BlockStore:
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
         # checkpoint inside the budget's tail when there is one, else the tail from zero state.
         checkpoints = [c for c in found.checkpoints if c % alignment == 0]
-        if not SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget).state_seed:
-            checkpoints += [c for c in self._prompt_ends(tokens, found.length, salt) if c % alignment == 0]
+        first = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
+        if not first.state_seed and found.length:
+            ends = self._prompt_ends(tokens, first.state_position, found.length, salt)
+            checkpoints += [c for c in ends if c % alignment == 0]
         states, exact_states = None, False
         while True:  # the latest checkpoint in the tail that reads, else the tail from zero state
             recipe = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
@@ -191,12 +193,12 @@ class BlockStore:
         exact = start == 0 or (exact_states and all(found.exact[:loaded]))
         return ResumePlan(found.length, start, found.blocks[:loaded], states, exact)
 
-    def _prompt_ends(self, tokens: list[int], length: int, salt: str | None) -> list[int]:
-        """Where shorter stored prompts this one extends end in the match's last block: a shared
-        document's end, before another question, where its checkpoint may be (a read says)."""
+    def _prompt_ends(self, tokens: list[int], since: int, length: int, salt: str | None) -> list[int]:
+        """Where shorter stored prompts this one extends end in [since, length), the replay tail:
+        a shared document's end, before another question, where its checkpoint may be (a read says)."""
         keys, limit = self.keys(salt), len(tokens) - 1
         wanted = np.asarray(tokens[:limit], dtype=np.int64)
-        return self._walk.prompt_ends(keys, keys.chain(tokens[:limit]), wanted, length)
+        return self._walk.prompt_ends(keys, keys.chain(tokens[:limit]), wanted, since, length)
 
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:
