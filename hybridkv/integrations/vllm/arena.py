@@ -179,16 +179,16 @@ def run_served_arena(
         context = [t for segment in sample.segments() for t in tokenizer.encode(segment)]
         question = tokenizer.encode(sample.question)
         budget_tokens = answer_budget(sample, default_new_tokens, max_new_tokens)
-        prompts.append((len(prompts), sample, context, question, budget_tokens))
-    longest = max(len(c) + len(q) + n for _, _, c, q, n in prompts)
+        prompts.append((sample, context, question, budget_tokens))
+    longest = max(len(c) + len(q) + n for _, c, q, n in prompts)
     context_ids: dict[tuple[int, ...], int] = {}
-    for _, _, context, _, _ in prompts:
+    for _, context, _, _ in prompts:
         context_ids.setdefault(tuple(context), len(context_ids))
     grid = served_grid(plan, horizon)
     todo = {
         id(served): [
             (p, name, budget) for name, budget in served.settings for p in prompts
-            if row_key(p[1].id, name, budget.label() if budget else None) not in done
+            if row_key(p[0].id, name, budget.label() if budget else None) not in done
         ]
         for served in grid
     }  # fmt: skip
@@ -215,7 +215,7 @@ def run_served_arena(
                 progress.set_postfix_str(served.label)
                 setting, before = None, {}
                 served_contexts: set[str] = set()  # the namespaces whose context this server has been sent
-                for (_, sample, context, question, new_tokens), name, budget in todo[id(served)]:
+                for (sample, context, question, new_tokens), name, budget in todo[id(served)]:
                     if checked and (name, str(budget)) != setting:  # a new setting: count its checks alone
                         if setting is not None:
                             shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)

@@ -45,6 +45,15 @@ class PageMatch:
     exact: list[bool] = field(default_factory=list)  # per block: computed exactly (see BlockStore)
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """A prompt as the block walk reads it: its namespace's keys, its chained block keys, its tokens."""
+
+    keys: PrefixKeys
+    chain: list[bytes]
+    wanted: np.ndarray  # int64, all but the last token (one token is always left to compute)
+
+
 @dataclass
 class ResumePlan:
     """Where vLLM resumes a prompt: KV of [0, start) is loaded; linear states are `states` at
@@ -135,8 +144,14 @@ class BlockStore:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
         `layout` maps each attention layer to its block's byte size (None: any size, which the
         worker checks when it copies the page); entries that disagree are corrupt."""
-        limit = len(tokens) - 1
-        keys = self.keys(salt)
+        return self._match(self._prompt(tokens, salt), layout)
+
+    def _prompt(self, tokens: list[int], salt: str | None) -> _Prompt:
+        """The prompt as the walk reads it: all but its last token, with their chained keys."""
+        keys, limit = self.keys(salt), len(tokens) - 1
+        return _Prompt(keys, keys.chain(tokens[:limit]), np.asarray(tokens[:limit], dtype=np.int64))
+
+    def _match(self, prompt: _Prompt, layout: Layout) -> PageMatch:
 
         def decode(key: str, entry: Entry, start: int) -> tuple[list[int], Entry]:
             stored = entry.meta.get("tokens")
@@ -144,8 +159,7 @@ class BlockStore:
                 raise CorruptEntry("block does not match this engine's attention layout")
             return stored, entry
 
-        wanted = np.asarray(tokens[:limit], dtype=np.int64)
-        walk = self._walk.match(keys, keys.chain(tokens[:limit]), wanted, decode)
+        walk = self._walk.match(prompt.keys, prompt.chain, prompt.wanted, decode)
         found = PageMatch(walk.length)
         for block in walk.blocks:
             found.blocks.append(block.page.tensors)
@@ -164,7 +178,8 @@ class BlockStore:
         budget's tail: the gates have forgotten the dropped state by then. The start is a multiple
         of `alignment` (GLM-5.3-Flash's indexer pool: no pool in progress at the start), so a
         checkpoint off that grid is not used and a zero-state start moves down onto it."""
-        found = self.match(tokens, layout, salt)
+        prompt = self._prompt(tokens, salt)
+        found = self._match(prompt, layout)
         if horizon is not None:
             budget = Budget(tokens=min(horizon, budget.tail_tokens(found.length)))
         # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
@@ -172,7 +187,8 @@ class BlockStore:
         checkpoints = [c for c in found.checkpoints if c % alignment == 0]
         first = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
         if not first.state_seed and found.length:
-            ends = self._prompt_ends(tokens, first.state_position, found.length, salt)
+            # a shorter stored prompt this one extends (a shared document) may hold a state at its end
+            ends = self._walk.prompt_ends(prompt.keys, prompt.chain, prompt.wanted, first.state_position, found.length)
             checkpoints += [c for c in ends if c % alignment == 0]
         states, exact_states = None, False
         while True:  # the latest checkpoint in the tail that reads, else the tail from zero state
@@ -192,13 +208,6 @@ class BlockStore:
         loaded = -(-start // self.block_size) if start else 0
         exact = start == 0 or (exact_states and all(found.exact[:loaded]))
         return ResumePlan(found.length, start, found.blocks[:loaded], states, exact)
-
-    def _prompt_ends(self, tokens: list[int], since: int, length: int, salt: str | None) -> list[int]:
-        """Where shorter stored prompts this one extends end in [since, length), the replay tail:
-        a shared document's end, before another question, where its checkpoint may be (a read says)."""
-        keys, limit = self.keys(salt), len(tokens) - 1
-        wanted = np.asarray(tokens[:limit], dtype=np.int64)
-        return self._walk.prompt_ends(keys, keys.chain(tokens[:limit]), wanted, since, length)
 
 
 def _sizes(pages: Pages) -> list[tuple[str, int]]:
