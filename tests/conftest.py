@@ -13,6 +13,14 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
+# HYBRIDKV_CPU_ISA=avx512: this run takes the kernels vLLM and oneDNN take on a CPU with AVX-512 but
+# no AVX-512-BF16 or AMX (tests/cpu_isa/sitecustomize.py), here and in every process it starts
+# (vLLM's engines, `vllm serve`, shadow models), which import the hook from PYTHONPATH.
+if os.environ.get("HYBRIDKV_CPU_ISA"):
+    _hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_isa")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_hook, os.environ.get("PYTHONPATH")) if p)
+    import tests.cpu_isa.sitecustomize  # noqa: E402, F401  (applies it to this process)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # and vLLM with a connector 2. bf16 GEMMs split over another number of threads round differently on
 # some CPUs (by up to 4e-3 in logprob on an AMD EPYC). Every engine here reserves the same one core.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+# `pool_layout` asks the running engine for its layers' cache specs, which hold torch dtypes: vLLM
+# sends those back only by pickle, which it allows once this is set (the engines are the tests' own).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -59,9 +63,26 @@ def make_engine(model, kv_transfer_config: dict | None = None, prefill_chunk: in
         max_model_len=8192,
         max_num_batched_tokens=prefill_chunk,
         dtype="bfloat16",
+        # vLLM's CPU build keeps linear states in float32 where the CPU has AVX-512-BF16 and in bf16
+        # elsewhere when left on auto, which also moves the block grid: the same on every CPU here.
+        mamba_ssm_cache_dtype="float32",
         seed=0,
         kv_transfer_config=kv_transfer_config,
     )
+
+
+def pool_layout(llm: LLM) -> list[int]:
+    """The block size of each of the running engine's KV-cache groups, as its scheduler groups its
+    layers (a linear-state group's block spans the whole model length: a request holds one)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    (specs,) = llm.collective_rpc("get_kv_cache_spec")
+    return [g.kv_cache_spec.block_size for g in get_kv_cache_groups(llm.llm_engine.vllm_config, specs)]
+
+
+def blocks_held(layout: list[int], tokens: int) -> int:
+    """Blocks of the pool a request of `tokens` tokens holds: in each group, one per block begun."""
+    return sum(math.ceil(tokens / size) for size in layout)
 
 
 def shutdown(llm: LLM) -> None:
@@ -177,6 +198,34 @@ def with_connector(checkpoint, redis_server):
     llm = make_engine(checkpoint, connector_config(redis_server.url, replay_budget=0.05))
     yield llm
     shutdown(llm)
+
+
+def test_the_engine_runs_the_kernels_vllm_chooses_for_this_cpu(alone):
+    """vLLM loads `_C` where torch reports AVX-512-BF16, `_C_AVX512` where it reports AVX-512 alone,
+    `_C_AVX2` below that. Under HYBRIDKV_CPU_ISA=avx512 (scripts/test.sh's second pass) torch reports
+    no AVX-512-BF16: this shows the emulation reached the engine's own processes, oneDNN's cap with it."""
+    import psutil
+    import torch
+
+    if not torch.cpu._is_avx512_supported():
+        want = "_C_AVX2.abi3.so"
+    else:
+        want = "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
+    engines = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            maps = Path(f"/proc/{child.pid}/maps").read_text()
+            environment = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        loaded = {line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/vllm/_C" in line}
+        if loaded:
+            cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+            engines[child.pid] = (loaded, cap is None or f"ONEDNN_MAX_CPU_ISA={cap}".encode() in environment)
+    assert engines, "no engine process has vLLM's kernels loaded"
+    for pid, (loaded, same_onednn_cap) in engines.items():
+        assert loaded == {want}, f"engine process {pid} loaded {loaded}, not {want}"
+        assert same_onednn_cap, f"engine process {pid} runs without this run's ONEDNN_MAX_CPU_ISA"
 
 
 def test_a_budget_covering_the_whole_match_answers_exactly_as_vllm_alone(
@@ -316,8 +365,9 @@ def test_a_request_preempted_after_its_load_is_recomputed_and_answers_as_vllm_al
     connector again from zero computed tokens: the loaded pages are gone with the blocks, so the
     connector must answer "nothing to load" and vLLM computes the request in full.
 
-    11 blocks in the pool: a request of 1,200 tokens holds 2 attention blocks and 3 state blocks, so two
-    run at once and the first of them to decode past 1,280 tokens finds no free block.
+    The pool is sized from the engine's own layout (block size per group, read from the running
+    engine: it differs between CPUs): it holds two prompts that end 40 tokens short of an attention
+    block's end, so two run at once and the first to decode 40 tokens finds no free block.
 
     Under that pressure vLLM batches and splits the prefills differently from an unhurried run, and
     bf16 rounding on this random-weight model moves logprobs by more than bf16_logprob_tol (up to
@@ -327,12 +377,17 @@ def test_a_request_preempted_after_its_load_is_recomputed_and_answers_as_vllm_al
     a request computed from garbage pages or the wrong slot fails it; a small error in a linear
     state would not, and the exact-resume tests cover that."""
     server = redis_factory()
+    layout = pool_layout(alone)  # the same model and dtypes as the engine under pressure
+    attention = min(layout)
+    length = math.ceil((1000 + 50 + 40) / attention) * attention - 40  # 40 short of a block's end
+    pool = 2 * blocks_held(layout, length) + 1  # two such requests, and vLLM's null block
+    read = f"groups' block sizes {layout}, prompts of {length} tokens, a pool of {pool} blocks"
 
     def under_pressure(kv_transfer_config: dict | None) -> LLM:
         return LLM(
             model=str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
-            max_model_len=2048, dtype="bfloat16", seed=0, kv_transfer_config=kv_transfer_config,
-            num_gpu_blocks_override=11, disable_log_stats=False,
+            max_model_len=2048, dtype="bfloat16", mamba_ssm_cache_dtype="float32", seed=0,
+            kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=pool, disable_log_stats=False,
         )  # fmt: skip
 
     llm = under_pressure(connector_config(server.url))
@@ -341,13 +396,15 @@ def test_a_request_preempted_after_its_load_is_recomputed_and_answers_as_vllm_al
         return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
     try:
+        # the engine under pressure lays its pool out as the one the pool was sized from
+        assert [min(s, 2048) for s in pool_layout(llm)] == [min(s, 2048) for s in layout], read
         prefixes = [tokens(1000, seed=20 + i) for i in range(4)]
         run(llm, prefixes)  # saved, each with its exact state at 1,000
-        prompts = [prefix + tokens(200, seed=30 + i) for i, prefix in enumerate(prefixes)]
+        prompts = [prefix + tokens(length - 1000, seed=30 + i) for i, prefix in enumerate(prefixes)]
         params = SamplingParams(max_tokens=100, temperature=0.0, logprobs=TOP, detokenize=False, ignore_eos=True)
         before = preemptions()
         got = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        assert preemptions() > before  # the pool really ran out
+        assert preemptions() > before, f"the pool never ran out: {read}"
         assert all(g["reuse"]["matched"] == 1000 for g in got)
         assert any(g["reuse"]["reused"] == 0 for g in got)  # a load taken back by the preemption
     finally:

@@ -64,6 +64,9 @@ class ServerSpec:
     shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of zero-state resumes
     save_states: bool = True  # the connector stores each prompt's final linear states (exact checkpoints)
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--hf-overrides", '{...}')
+    # 0: one prefill per prompt. Else vLLM prefills in chunks of this many tokens, so a prompt is
+    # split where a resume from a state stored after that many tokens splits it: the same computation.
+    prefill_chunk: int = 0
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -72,8 +75,8 @@ class ServerSpec:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--enforce-eager", "--seed", str(self.seed), "--max-model-len", str(self.max_model_len),
-            # One prefill per prompt in every configuration: chunked prefill would split them differently.
-            "--max-num-batched-tokens", str(self.max_model_len),
+            # One prefill per prompt (unless asked): chunked prefill would split them differently.
+            "--max-num-batched-tokens", str(self.prefill_chunk or self.max_model_len),
             "--max-logprobs", str(self.top_logprobs), "--enable-prompt-tokens-details",
             # vLLM's CPU build keeps linear states in float32 on CPUs with AVX512-BF16 and in bf16
             # elsewhere when left on auto; that moves the block grid, so fix it (models.py).
