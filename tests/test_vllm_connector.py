@@ -25,9 +25,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # and vLLM with a connector 2. bf16 GEMMs split over another number of threads round differently on
 # some CPUs (by up to 4e-3 in logprob on an AMD EPYC). Every engine here reserves the same one core.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-# `pool_layout` asks the running engine for its layers' cache specs, which hold torch dtypes: vLLM
-# sends those back only by pickle, which it allows once this is set (the engines are the tests' own).
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -72,12 +69,9 @@ def make_engine(model, kv_transfer_config: dict | None = None, prefill_chunk: in
 
 
 def pool_layout(llm: LLM) -> list[int]:
-    """The block size of each of the running engine's KV-cache groups, as its scheduler groups its
-    layers (a linear-state group's block spans the whole model length: a request holds one)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
-    (specs,) = llm.collective_rpc("get_kv_cache_spec")
-    return [g.kv_cache_spec.block_size for g in get_kv_cache_groups(llm.llm_engine.vllm_config, specs)]
+    """The block size of each of the running engine's KV-cache groups, as its scheduler holds them
+    (a linear-state group's block spans the whole model length: a request holds one)."""
+    return [group["block_size"] for group in llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata")]
 
 
 def blocks_held(layout: list[int], tokens: int) -> int:
