@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from hybridkv.errors import HybridKVError  # noqa: E402
 from hybridkv.eval.arena import ArenaPlan, read_rows  # noqa: E402
+from hybridkv.eval.metrics import kl_mean  # noqa: E402
 from hybridkv.eval.workloads import get_workload  # noqa: E402
 from hybridkv.integrations.vllm.arena import run_served_arena, served_grid  # noqa: E402
 from hybridkv.integrations.vllm.bench import first_token_fidelity  # noqa: E402
@@ -168,8 +169,8 @@ class Stretch:
     bf16_kl: float  # KL(float32 || bfloat16) of transformers' next token: bf16's own noise here
 
 
-def _next_token(model, stored: list[int], more: list[int], rotate: bool = False):
-    """Transformers' next-token log-probabilities after `stored` + `more`; with `rotate`, computed
+def _next_token(model, stored: list[int], more: list[int], rotate: bool = False) -> torch.Tensor:
+    """Transformers' next-token logits after `stored` + `more` [1, vocab]; with `rotate`, computed
     from each linear layer's state after `stored` moved to the layer before it."""
     from hybridkv.cache.assemble import assemble_cache
     from hybridkv.models import adapter
@@ -181,15 +182,12 @@ def _next_token(model, stored: list[int], more: list[int], rotate: bool = False)
         layers = sorted(states)
         rotated = {layer: states[other] for layer, other in zip(layers, layers[1:] + layers[:1], strict=True)}
         cache = assemble_cache(model, adapter.read_kv(model.description, cache), rotated)
-    return torch.log_softmax(model.forward(torch.tensor(more), cache, len(stored), 1)[0], -1)
+    return model.forward(torch.tensor(more), cache, len(stored), 1)
 
 
-def _kl(p, q) -> float:
-    return float((p.exp() * (p - q)).sum())
-
-
-def _lead(logprobs) -> float:
-    first, second = logprobs.topk(2).values
+def _lead(logits: torch.Tensor) -> float:
+    """The top token's log-probability above the second's (a logit difference: the same)."""
+    first, second = logits[0].topk(2).values
     return float(first - second)
 
 
@@ -206,12 +204,9 @@ def stretches() -> list[Stretch]:
         context = [t for piece in sample.segments() for t in tokenizer.encode(piece)]
         stored, more = context[:STRETCH_AT], context[STRETCH_AT : STRETCH_AT + 4]
         assert len(more) == 4
-        a, b, r = (
-            _next_token(exact, stored, more),
-            _next_token(rounded, stored, more),
-            _next_token(exact, stored, more, True),
-        )
-        bf16_kl, state_kl, leads = _kl(a, b), _kl(a, r), (_lead(a), _lead(b))
+        a, b = _next_token(exact, stored, more), _next_token(rounded, stored, more)
+        scrambled = _next_token(exact, stored, more, rotate=True)
+        bf16_kl, state_kl, leads = kl_mean(a, b), kl_mean(a, scrambled), (_lead(a), _lead(b))
         measured.append(f"bf16 KL {bf16_kl:.1e}, state KL {state_kl:.3f}, leads {leads[0]:.2f}/{leads[1]:.2f}")
         if bf16_kl <= NEAR_TIE_KL and min(leads) >= NEAR_TIE_LEAD and state_kl >= STATE_MATTERS:
             chosen.append(Stretch(stored, more, bf16_kl))
