@@ -230,8 +230,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--shadow-rate", type=float, default=0.0,
-        help="--engine vllm: the share of the connector's zero-state resumes checked in its shadow process "
-        "(budget by budget, into OUT/shadow.json beside the scores; 0: off)",
+        help="--engine vllm: the share of the connector's requests whose served answers its shadow process "
+        "checks against exact full prefill, by kind of resume (budget by budget, into OUT/shadow.json beside "
+        "the scores; 0: off)",
     )  # fmt: skip
     _add_output_options(run, "out/arena", "output directory (resumed if it exists)")
     score = arena_commands.add_parser("score", help="rebuild OUT/summary.json from OUT/results.jsonl")
@@ -589,7 +590,7 @@ def _arena(args: argparse.Namespace) -> None:
         if not Path(args.model).is_dir():
             raise HybridKVError(f"--engine vllm serves a checkpoint directory; {args.model} is not one")
         if not 0 <= args.shadow_rate <= 1:
-            raise HybridKVError(f"--shadow-rate {args.shadow_rate}: a share of zero-state resumes, from 0 to 1")
+            raise HybridKVError(f"--shadow-rate {args.shadow_rate}: a share of requests, from 0 to 1")
     elif args.shadow_rate:
         raise HybridKVError("--shadow-rate checks a served connector's resumes: give --engine vllm")
     else:

@@ -364,7 +364,7 @@ def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(t
     [
         (["--engine", "vllm", "--model", "tiny-qwen3-next-vllm"], "serves a checkpoint directory"),
         (["--engine", "vllm", "--model", str(MODEL), "--methods", "full,zero-state"], "runs only in the harness"),
-        (["--engine", "vllm", "--model", str(MODEL), "--shadow-rate", "1.5"], "a share of zero-state resumes"),
+        (["--engine", "vllm", "--model", str(MODEL), "--shadow-rate", "1.5"], "a share of requests"),
         (["--shadow-rate", "0.5"], "give --engine vllm"),
     ],
 )

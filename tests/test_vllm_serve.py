@@ -189,15 +189,17 @@ def test_a_conversation_moving_between_two_servers_resumes_from_the_first_ones_p
     assert replies[2].hybridkv == {"matched": 920, "reused": 920, "exact_state": True}  # and back
 
 
-def test_shadow_checks_count_zero_state_resumes_and_their_disagreements_but_none_at_budget_1(production, tmp_path):
-    """`shadow_rate: 1` checks every zero-state resume in a shadow process. Each prompt here shares
-    the first L tokens of a stored one and then diverges, so no stored state lies at L: at budget
-    1.0 the whole match is recomputed (exact: nothing to check); at a budget of 0 tokens vLLM resumes
-    at L from zero states and computes only the prompt's last 2 tokens from them, which moves this
-    random-weight model's first token far beyond float32 noise (in the shadow, on one code path:
-    KL 1.8e-3 to 4.1e-2, and 5 of these 6 top-1 tokens flip). Each phase has its own namespace
-    (`cache_salt`): a slot lists the last 8 blocks stored in it, and more prompts would push the
-    stored one out."""
+def test_shadow_checks_every_kind_and_the_first_token_of_zero_state_resumes_only(production, tmp_path):
+    """`shadow_rate: 1` checks every finished greedy request in a shadow process, by kind. Each
+    prompt here shares the first L tokens of a stored one and then diverges, so no stored state lies
+    at L: at budget 1.0 the whole match is recomputed (a full prefill: the control group, no
+    first-token check); at a budget of 0 tokens vLLM resumes at L from zero states and computes only
+    the prompt's last 2 tokens from them, which moves this random-weight model's first token far
+    beyond float32 noise (in the shadow, on one code path: KL 1.8e-3 to 4.1e-2, and 5 of these 6
+    top-1 tokens flip). The answers of this random-weight model are near-uniform picks, so only
+    their counts are asserted here (`test_vllm_shadow_serve.py` asserts verdicts, on a trained
+    model). Each phase has its own namespace (`cache_salt`): a slot lists the last 8 blocks stored
+    in it, and more prompts would push the stored one out."""
     import asyncio
     import random
 
@@ -225,22 +227,31 @@ def test_shadow_checks_count_zero_state_resumes_and_their_disagreements_but_none
         full = settle_shadow_checks([server])
         replayed = asyncio.run(send(server, [stored, *replayed_prompts]))[1:]
         shadowed = settle_shadow_checks([server])
-    # budget 1.0: every prompt matched L tokens and recomputed them all; no check was queued or made
+    # budget 1.0: every prompt matched L tokens and recomputed them all: full prefills, answers only
     assert [r.hybridkv for r in at_full] == [{"matched": len(p) - 2, "reused": 0, "exact_state": False}
                                              for p in exact_prompts]  # fmt: skip
-    assert full.get("vllm:hybridkv_shadow_queued_total", 0) == 0
-    assert full.get("vllm:hybridkv_shadow_checks_total", 0) == 0
-    assert full.get("vllm:hybridkv_shadow_top1_disagreements_total", 0) == 0
-    # budget 0: zero-state resumes at L, every one checked, flips seen, KL far above float32 noise
+    requests = 1 + len(exact_prompts)
+    assert full["vllm:hybridkv_shadow_queued_total"] == full["vllm:hybridkv_shadow_checks_total"] == requests
+    assert full['vllm:hybridkv_shadow_answers_total{kind="full"}'] == requests
+    assert full["vllm:hybridkv_shadow_answers_total"] == requests  # no other kind
+    assert full.get("vllm:hybridkv_shadow_first_token_checks_total", 0) == 0
+    # budget 0: zero-state resumes at L, every one checked twice, flips seen, KL far above float32 noise
     assert [r.hybridkv for r in replayed] == [{"matched": len(p) - 2, "reused": len(p) - 2, "exact_state": False}
                                               for p in replayed_prompts]  # fmt: skip
     checks = len(replayed_prompts)
-    assert shadowed["vllm:hybridkv_shadow_queued_total"] == checks
-    assert shadowed["vllm:hybridkv_shadow_checks_total"] == checks
+    assert shadowed["vllm:hybridkv_shadow_queued_total"] == requests + 1 + checks
+    assert shadowed["vllm:hybridkv_shadow_checks_total"] == requests + 1 + checks
+    assert shadowed['vllm:hybridkv_shadow_answers_total{kind="zero@0tok"}'] == checks
+    assert shadowed['vllm:hybridkv_shadow_answers_total{kind="full"}'] == requests + 1
     assert shadowed.get("vllm:hybridkv_shadow_failed_total", 0) == 0
     assert shadowed.get("vllm:hybridkv_shadow_dropped_total", 0) == 0
+    assert shadowed["vllm:hybridkv_shadow_first_token_checks_total"] == checks
     assert shadowed["vllm:hybridkv_shadow_top1_disagreements_total"] >= 2
     assert shadowed["vllm:hybridkv_shadow_kl_count"] == checks
     assert shadowed["vllm:hybridkv_shadow_kl_sum"] / checks > 1e-3
     # greedy requests: the token vLLM served was compared with the shadow's served-recipe argmax
     assert shadowed["vllm:hybridkv_shadow_reproduced_checked_total"] == checks
+    # every excess series is there, with its interval around it
+    excess = shadowed['vllm:hybridkv_shadow_excess{kind="zero@0tok"}']
+    assert shadowed['vllm:hybridkv_shadow_excess_low{kind="zero@0tok"}'] <= excess
+    assert excess <= shadowed['vllm:hybridkv_shadow_excess_high{kind="zero@0tok"}']

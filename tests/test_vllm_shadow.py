@@ -13,25 +13,40 @@ pytest.importorskip("vllm")
 
 from hybridkv.errors import HybridKVError  # noqa: E402
 from hybridkv.integrations.vllm.config import ConnectorConfig  # noqa: E402
-from hybridkv.integrations.vllm.shadow import FLOOR_MIN_CHECKS, ShadowFloor, ShadowResult, sampled  # noqa: E402
+from hybridkv.integrations.vllm.shadow import ShadowResult, sampled  # noqa: E402
+from hybridkv.methods import Budget  # noqa: E402
 from tests.test_vllm_glm_groups import BLOCK, load, look_up, make_engine, request, tokens  # noqa: E402
 from tests.test_vllm_scheduling import plain_config, plain_hybrid_specs, request_blocks, save  # noqa: E402, F401
 
 
 def test_shadow_settings_parse_and_bad_values_stop_the_engine_in_one_line():
     default = ConnectorConfig.parse({}, "model")
-    assert (default.shadow_rate, default.shadow_floor) == (0.0, None)
-    set_ = ConnectorConfig.parse({"shadow_rate": 0.25, "shadow_floor": 0.3}, "model")
-    assert (set_.shadow_rate, set_.shadow_floor) == (0.25, 0.3)
+    assert (default.shadow_rate, default.shadow_floor, default.shadow_window) == (0.0, None, 50)
+    assert (default.shadow_ladder, default.shadow_on_error) == ((Budget(0.2), Budget(0.5)), "ignore")
+    set_ = ConnectorConfig.parse(
+        {"shadow_rate": 0.25, "shadow_floor": 0.3, "shadow_window": 8, "shadow_ladder": ["0.3", "512tok"],
+         "shadow_on_error": "exact"}, "model",
+    )  # fmt: skip
+    assert (set_.shadow_rate, set_.shadow_floor, set_.shadow_window) == (0.25, 0.3, 8)
+    assert (set_.shadow_ladder, set_.shadow_on_error) == ((Budget(0.3), Budget(tokens=512)), "exact")
     assert ConnectorConfig.parse({"shadow_rate": 1}, "model").shadow_rate == 1.0
+    assert ConnectorConfig.parse({"shadow_ladder": []}, "model").shadow_ladder == ()
     for bad in (-0.1, 1.5, "0.5", True, math.nan, None):
-        with pytest.raises(HybridKVError, match=r"^shadow_rate .*: a share of inexact hits to check, from 0 to 1$"):
+        with pytest.raises(HybridKVError, match=r"^shadow_rate .*: a share of requests to check, from 0 to 1$"):
             ConnectorConfig.parse({"shadow_rate": bad}, "model")
     for bad in (0, 1.2, "0.1", False, math.nan):
-        with pytest.raises(HybridKVError, match=r"^shadow_floor .*: a top-1 disagreement rate above 0, at most 1$"):
+        with pytest.raises(HybridKVError, match=r"^shadow_floor .*: an excess divergence rate above 0, at most 1$"):
             ConnectorConfig.parse({"shadow_rate": 0.5, "shadow_floor": bad}, "model")
     with pytest.raises(HybridKVError, match=r"^shadow_floor 0\.2 needs shadow_rate > 0"):
         ConnectorConfig.parse({"shadow_floor": 0.2}, "model")
+    for bad in (1, 0, 2.5, "8", True):
+        with pytest.raises(HybridKVError, match=r"^shadow_window .*: a number of checks, at least 2$"):
+            ConnectorConfig.parse({"shadow_window": bad}, "model")
+    for bad in ("0.2", [1.5], ["lots"], [None]):
+        with pytest.raises(HybridKVError, match=r"^shadow_ladder "):
+            ConnectorConfig.parse({"shadow_ladder": bad}, "model")
+    with pytest.raises(HybridKVError, match=r"^shadow_on_error 'strict': \"ignore\" or \"exact\"$"):
+        ConnectorConfig.parse({"shadow_on_error": "strict"}, "model")
 
 
 def test_sampling_is_a_hash_of_the_request_id_at_the_rate():
@@ -42,27 +57,6 @@ def test_sampling_is_a_hash_of_the_request_id_at_the_rate():
     # binomial(4000, 0.25): sd 27; 5 sd either side
     assert abs(len(picked) - 1000) < 140
     assert set(picked) <= {i for i in ids if sampled(i, 0.5)}  # a higher rate keeps every lower one's ids
-
-
-def test_the_floor_trips_once_enough_checks_disagree_at_its_rate_and_stays_tripped():
-    floor = ShadowFloor(0.5)
-    for _ in range(FLOOR_MIN_CHECKS - 1):
-        assert not floor.record(True)  # every check disagrees, but too few to judge
-    assert not floor.tripped
-    assert floor.record(True) and floor.tripped and floor.rate == 1.0
-    assert not floor.record(False) and floor.tripped  # trips once, stays
-    below = ShadowFloor(0.5)
-    for index in range(3 * FLOOR_MIN_CHECKS):
-        below.record(index % 3 == 0)  # a third disagree
-    assert not below.tripped and below.checks == 3 * FLOOR_MIN_CHECKS
-    at = ShadowFloor(0.25)
-    for index in range(FLOOR_MIN_CHECKS):
-        at.record(index % 4 == 0)  # exactly a quarter: at the floor trips it
-    assert at.tripped
-    never = ShadowFloor(None)
-    for _ in range(5 * FLOOR_MIN_CHECKS):
-        never.record(True)
-    assert not never.tripped and never.rate == 1.0
 
 
 class RecordingShadow:
@@ -92,7 +86,7 @@ def shadowed_engine(plain_config, tmp_path):  # noqa: F811
     groups = get_kv_cache_groups(plain_config, plain_hybrid_specs())
     engine = make_engine(
         plain_config, get_kv_cache_config_from_groups(plain_config, groups, 16 * 2**20),
-        f"file://{tmp_path / 'store'}", shadow_rate=1.0, shadow_floor=0.5,
+        f"file://{tmp_path / 'store'}", shadow_rate=1.0, shadow_floor=0.5, shadow_window=2, shadow_ladder=["0.5"],
     )  # fmt: skip
     yield engine
     engine.worker.shutdown()
@@ -100,56 +94,91 @@ def shadowed_engine(plain_config, tmp_path):  # noqa: F811
     _Writer.drain_all()
 
 
-def served(req, first_token: int):
-    """The request as vLLM hands it to `request_finished`: answered greedily with `first_token`."""
-    req.output_token_ids = [first_token]
-    req.sampling_params = SimpleNamespace(temperature=0.0)
+def finished(req, outputs: list[int], greedy: bool = True):
+    """The request as vLLM hands it to `request_finished`: answered with `outputs`."""
+    req.output_token_ids = outputs
+    req.sampling_params = SimpleNamespace(temperature=0.0 if greedy else 0.8)
     return req
 
 
-def test_zero_state_resumes_are_queued_for_checks_and_a_tripped_floor_stops_them(shadowed_engine):
-    """A finished request the connector resumed from zero states is queued with its prompt, resume
-    point and served token; an exact resume is not, and a full queue drops one (counted). Once the
-    checks' disagreement rate reaches `shadow_floor`, a prompt diverging inside a stored one is
-    computed in full instead, and one extending it still resumes from the stored exact state."""
+def test_every_kind_of_finished_request_is_queued_with_what_it_served_and_the_guard_climbs(shadowed_engine):
+    """Finished requests go to the shadow with their kind: a miss as `full` (the control group), a
+    resume from the stored exact state as `exact`, one from zero states as `zero@<budget>`; each
+    with the tokens it served where they were greedy (a sampled full prefill has nothing to check,
+    a sampled zero-state resume still has its first token checked). A full queue drops one
+    (counted). Results flagged at the floor over a window step the ladder up, rung by rung: a
+    larger tail, then exact stored states only, then full prefills, as each lookup then shows."""
+    from hybridkv.integrations.vllm.shadow import EXACT, FULL, ZERO
+
     engine = shadowed_engine
     side = engine.scheduler._side
-    shadow = side._shadow = RecordingShadow(capacity=1)
+    shadow = side._shadow = RecordingShadow(capacity=6)
     stored = tokens(4 * BLOCK, 1)
     save(engine, stored, request_blocks(engine, 0, 4))  # its state at its end: an exact checkpoint there
 
+    def serve(req_id, prompt, outputs, first_block, greedy=True):
+        req = request(req_id, prompt)
+        start = look_up(engine, req)
+        if start:
+            load(engine, req, start, request_blocks(engine, first_block, 5))
+        engine.scheduler.request_finished_all_groups(finished(req, outputs, greedy), ())
+        return start
+
+    miss = tokens(3 * BLOCK, 7)
+    assert serve("miss", miss, [5, 6], 20) == 0
+    assert serve("miss-sampled", tokens(3 * BLOCK, 8), [5, 6], 20, greedy=False) == 0  # not queued
     diverging = stored[: 3 * BLOCK] + tokens(30, 2)
-    zero = request("zero", diverging)
-    start = look_up(engine, zero)
-    assert start == 3 * BLOCK - round(0.05 * 3 * BLOCK)  # the budget's tail, from zero states
-    load(engine, zero, start, request_blocks(engine, 20, 4))
-    engine.scheduler.request_finished_all_groups(served(zero, 17), ())
-    assert [(j.request_id, j.tokens, j.start, j.served_token) for j in shadow.jobs] == [("zero", diverging, start, 17)]
-
-    extending = request("exact", stored + tokens(30, 3))
-    start = look_up(engine, extending)
-    assert start == len(stored)  # the stored exact state: nothing to check
-    load(engine, extending, start, request_blocks(engine, 40, 5))
-    engine.scheduler.request_finished_all_groups(served(extending, 5), ())
-    assert len(shadow.jobs) == 1
-
-    second = request("second", stored[: 2 * BLOCK] + tokens(30, 4))
-    second_start = look_up(engine, second)
-    load(engine, second, second_start, request_blocks(engine, 60, 4))
-    engine.scheduler.request_finished_all_groups(served(second, 9), ())  # the queue is full: dropped
+    zero_start = serve("zero", diverging, [17, 3], 20)
+    assert zero_start == 3 * BLOCK - round(0.05 * 3 * BLOCK)  # the budget's tail, from zero states
+    assert serve("zero-sampled", stored[: 3 * BLOCK] + tokens(30, 3), [4], 40, greedy=False) == zero_start
+    extending = stored + tokens(30, 4)
+    assert serve("exact", extending, [9], 60) == len(stored)  # the stored exact state
+    assert [(j.request_id, j.kind, j.label, j.start, j.served, j.rung) for j in shadow.jobs] == [
+        ("miss", FULL, FULL, 0, [5, 6], 0),
+        ("zero", ZERO, "zero@0.05", zero_start, [17, 3], 0),
+        ("zero-sampled", ZERO, "zero@0.05", zero_start, None, 0),
+        ("exact", EXACT, EXACT, len(stored), [9], 0),
+    ]
+    assert shadow.jobs[1].tokens == diverging
+    shadow.capacity = len(shadow.jobs)
+    serve("dropped", stored[: 2 * BLOCK] + tokens(30, 5), [1], 80)  # the queue is full: dropped
     counters = engine.scheduler.get_kv_connector_stats().data["counters"]
-    assert (counters["shadow_queued"], counters["shadow_dropped"]) == (1, 1)
+    assert (counters["shadow_queued"], counters["shadow_dropped"]) == (4, 1)
+    assert side.shadow_guard.unavailable and side.shadow_guard.effective_rung == 0  # "ignore": resumes go on
 
-    for index in range(FLOOR_MIN_CHECKS):  # results come back: most first tokens flipped
-        side._shadow_done(ShadowResult(f"r{index}", top1_agrees=index % 3 == 0, kl=0.01, reproduced=True))
+    full_job, zero_job, _, exact_job = shadow.jobs
+    side._shadow_done(full_job, ShadowResult("miss", answer_length=2))  # the control: clean
+    assert not side.shadow_guard.unavailable  # a check came back
+    side._shadow_done(exact_job, ShadowResult("exact", answer_length=1))
+    assert side.shadow_guard.rung == 0  # the window (2) is not full yet
+    side._shadow_done(
+        zero_job, ShadowResult("zero", answer_length=2, diverged_at=1, gap=0.3, top1_agrees=True, kl=1e-3)
+    )
+    assert side.shadow_guard.rung == 1  # the window: clean, flagged; 0.5 over the control's 0 reaches the floor
     stats = engine.scheduler.get_kv_connector_stats().data
-    assert stats["counters"]["shadow_checks"] == FLOOR_MIN_CHECKS
-    assert stats["counters"]["shadow_top1_disagreements"] == FLOOR_MIN_CHECKS - 7
-    assert stats["counters"]["shadow_floor_trips"] == 1 and len(stats["shadow_kl"]) == FLOOR_MIN_CHECKS
-    assert side.shadow_floor.tripped
+    assert stats["shadow_answers"] == {"full": [1, 0, []], "exact": [1, 0, []], "zero@0.05": [1, 1, [1]]}
+    assert stats["counters"]["shadow_checks"] == 3 and stats["counters"]["shadow_first_token_checks"] == 1
+    assert stats["counters"]["shadow_escalations"] == 1 and stats["gauges"]["shadow_rung"] == 1
 
-    assert look_up(engine, request("after", stored[: 3 * BLOCK] + tokens(30, 5))) == 0  # no exact state in reach
-    assert look_up(engine, request("exact-after", stored + tokens(30, 6))) == len(stored)  # exact resumes go on
+    # rung 1: the ladder's larger tail, 0.5 of the match
+    assert look_up(engine, request("tail", stored[: 3 * BLOCK] + tokens(30, 6))) == 3 * BLOCK - round(0.5 * 3 * BLOCK)
+    for _ in range(2):
+        side._shadow_done(at_rung(zero_job, 1), ShadowResult("z", answer_length=1, diverged_at=0, gap=1.0))
+    assert side.shadow_guard.rung == 2 == side.shadow_guard.exact_rung
+    # rung 2: exact stored states only; no exact state in reach is a full prefill
+    assert look_up(engine, request("after", stored[: 3 * BLOCK] + tokens(30, 7))) == 0
+    assert look_up(engine, request("exact-after", stored + tokens(30, 8))) == len(stored)  # exact resumes go on
+    for _ in range(2):
+        side._shadow_done(at_rung(exact_job, 2), ShadowResult("e", answer_length=1, diverged_at=0, gap=1.0))
+    assert side.shadow_guard.rung == 3 == side.shadow_guard.top
+    assert look_up(engine, request("top", stored + tokens(30, 9))) == 0  # nothing read at the top
+
+
+def at_rung(job, rung: int):
+    """`job` as if looked up at `rung`."""
+    import dataclasses
+
+    return dataclasses.replace(job, rung=rung)
 
 
 def test_a_shadow_model_that_does_not_load_fails_each_check_with_why_and_nothing_waits(tmp_path):
@@ -161,14 +190,14 @@ def test_a_shadow_model_that_does_not_load_fails_each_check_with_why_and_nothing
 
     results, done = [], threading.Event()
 
-    def on_result(result):
+    def on_result(job, result):
         results.append(result)
         done.set()
 
     checker = ShadowChecker(str(tmp_path / "no-such-checkpoint"), "bfloat16", on_result, capacity=1)
     try:
-        assert checker.submit(ShadowJob("a", [5, 6, 7], 2, None))
-        assert not checker.submit(ShadowJob("b", [5, 6, 7], 2, None))  # capacity 1: dropped at once
+        assert checker.submit(ShadowJob("a", [5, 6, 7], "zero", "zero@0.05", 2, None))
+        assert not checker.submit(ShadowJob("b", [5, 6, 7], "zero", "zero@0.05", 2, None))  # capacity 1: dropped
         assert done.wait(timeout=120), "the shadow process never answered"
     finally:
         checker.shutdown()
@@ -185,9 +214,52 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
     with pytest.raises(HybridKVError, match=r"^unknown kv_connector_extra_config setting\(s\) 'replay_bugdet'; known"):
         ConnectorConfig.parse({"replay_bugdet": 0.2}, "model")
     valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "replay_horizon": 64, "cache_salt": "a",
-             "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3}  # fmt: skip
+             "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3, "shadow_window": 5,
+             "shadow_ladder": ["0.4"], "shadow_on_error": "exact"}  # fmt: skip
     assert set(valid) == SETTINGS
     config = ConnectorConfig.parse(valid, "model")
     assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
         0.2, 64, False, 8 * 2**20,
     )  # fmt: skip
+
+
+def test_a_shadow_process_killed_mid_check_fails_its_jobs_says_so_and_the_next_job_starts_another(monkeypatch):
+    """Killed while a check is pending (the process is still loading its model, so the check cannot
+    have finished): the pending check fails with why, `on_down` hears of it, a job within the
+    restart delay is refused, and one after it starts a new process that answers."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from hybridkv.integrations.vllm import shadow as shadow_module
+    from hybridkv.integrations.vllm.shadow import ShadowChecker, ShadowJob
+    from tests.test_vllm_arena import MODEL
+
+    results, downs, answered = [], [], threading.Event()
+
+    def on_result(job, result):
+        results.append((job.request_id, result))
+        answered.set()
+
+    checker = ShadowChecker(str(MODEL), "float32", on_result, on_down=downs.append)
+    job = ShadowJob("a", [5, 6, 7, 8], "full", "full", 0, [9])
+    try:
+        assert checker.submit(job)
+        deadline = time.monotonic() + 30
+        while checker.pid is None:
+            assert time.monotonic() < deadline, "the shadow process never started"
+            time.sleep(0.01)
+        os.kill(checker.pid, signal.SIGKILL)
+        assert answered.wait(timeout=60), "the pending check never failed"
+        assert [(rid, r.error is not None and "exited" in r.error) for rid, r in results] == [("a", True)]
+        assert len(downs) == 1 and "exited" in downs[0]
+        assert checker.dead and not checker.submit(ShadowJob("b", [5, 6, 7, 8], "full", "full", 0, [9]))
+        monkeypatch.setattr(shadow_module, "RESTART_AFTER_S", 0.0)  # the delay has passed
+        answered.clear()
+        assert not checker.dead and checker.submit(ShadowJob("c", [5, 6, 7, 8], "full", "full", 0, [9]))
+        assert answered.wait(timeout=120), "the restarted shadow process never answered"
+    finally:
+        checker.shutdown()
+    rid, result = results[-1]
+    assert rid == "c" and result.error is None and result.answer_length == 1

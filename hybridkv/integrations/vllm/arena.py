@@ -162,10 +162,11 @@ def run_served_arena(
     """Answer every sample with every served (method, budget); append rows to out_dir/results.jsonl.
     Resumes as the harness does: rows already there are not asked again.
 
-    With `shadow_rate` > 0 the connector without stored states runs its shadow checks (#33,
-    `shadow.py`) on that share of its zero-state resumes; each (method, budget) is served in turn
-    and its checks' figures (disagreement rate, mean KL) go to out_dir/shadow.json, to set beside
-    the score that budget lost."""
+    With `shadow_rate` > 0 the connector runs its shadow checks (`shadow.py`) on that share of its
+    requests: each served answer against exact full prefill, per kind (the context's own first
+    request, a full prefill, gives the control group), and a zero-state resume's first token against
+    the exact one. Each (method, budget) is served in turn and its checks' figures go to
+    out_dir/shadow.json, to set beside the score that budget lost."""
     import httpx
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +206,7 @@ def run_served_arena(
                 continue
             store = out_dir / "store"
             shutil.rmtree(store, ignore_errors=True)
-            checked = shadow_rate if served.config == "hybridkv" and not served.save_states else 0.0
+            checked = shadow_rate if served.config == "hybridkv" else 0.0
             spec = ServerSpec(
                 model, served.config, longest + 16, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
                 save_states=served.save_states, shadow_rate=checked,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import statistics
 import uuid
@@ -53,7 +54,7 @@ CONNECTOR_FIELDS = (
 # hybridkv with --shadow-rate only: the connector's shadow checks over one run (`shadow.py`)
 SHADOW_FIELDS = (
     "shadow_checks", "shadow_top1_disagreements", "shadow_disagreement_rate", "shadow_kl_mean",
-    "shadow_reproduced_rate", "shadow_dropped", "shadow_failed",
+    "shadow_reproduced_rate", "shadow_dropped", "shadow_failed", "shadow_first_token_checks", "shadow_answers",
 )  # fmt: skip
 SUMMARY_FIELDS = (
     "workload", "config", "clients", "budget", "block_size", "requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
@@ -88,8 +89,8 @@ class BenchPlan:
     shadow_rate: float = field(
         default=0.0,
         metadata={
-            "help": "share of hybridkv's zero-state resumes the connector checks against the exact first token "
-            "in a shadow process (its shadow_rate; 0: off)"
+            "help": "share of hybridkv's requests whose served answers the connector checks against exact "
+            "full prefill in a shadow process, by kind of resume (its shadow_rate; 0: off)"
         },
     )
     engines: int = field(
@@ -102,7 +103,7 @@ class BenchPlan:
 
     def __post_init__(self) -> None:
         if not 0 <= self.shadow_rate <= 1:  # refused before any server starts
-            raise HybridKVError(f"--shadow-rate {self.shadow_rate}: a share of zero-state resumes, from 0 to 1")
+            raise HybridKVError(f"--shadow-rate {self.shadow_rate}: a share of requests, from 0 to 1")
 
 
 def first_token_fidelity(reference: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
@@ -301,24 +302,57 @@ def _connector_spent(servers: list[Server], before: dict[str, float], requests: 
     }
 
 
-def shadow_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | int | None]:
-    """The shadow checks between two readings of the servers' counters: how many, how many flipped
-    the first token (and their share), the mean KL(exact || served recipe), and the share of checks
-    whose served token the shadow reproduced (greedy requests)."""
+def shadow_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The shadow checks between two readings of the servers' series (`Server.metrics`): how many;
+    of the zero-state first-token checks, how many flipped the first token (and their share), the
+    mean KL(exact || served recipe) and the share whose served token the shadow reproduced (greedy
+    requests); and per kind of request (`shadow.py`), the served answers checked, how many diverged
+    from exact greedy, the mean first diverging position, and the excess divergence rate over the
+    full prefills' (the control) with its 95% interval."""
+    from hybridkv.integrations.vllm.shadow import CONTROL, Excess
 
     def grew(name: str) -> float:
         return after.get(f"vllm:hybridkv_{name}", 0.0) - before.get(f"vllm:hybridkv_{name}", 0.0)
 
-    checks, flips = int(grew("shadow_checks_total")), int(grew("shadow_top1_disagreements_total"))
+    checks, flips = int(grew("shadow_first_token_checks_total")), int(grew("shadow_top1_disagreements_total"))
     compared = grew("shadow_reproduced_checked_total")
+    kinds = sorted(
+        {m.group(1) for key in after if (m := re.fullmatch(r'vllm:hybridkv_shadow_answers_total\{kind="(.*)"\}', key))}
+    )
+
+    def answers(kind: str) -> tuple[int, int, float]:
+        label = f'{{kind="{kind}"}}'
+        return (
+            int(grew(f"shadow_answers_total{label}")),
+            int(grew(f"shadow_answer_divergences_total{label}")),
+            grew(f"shadow_divergence_position_sum{label}"),
+        )
+
+    control = answers(CONTROL)
+    per_kind = {}
+    for kind in kinds:
+        n, diverged, positions = answers(kind)
+        if not n:
+            continue
+        excess = Excess.of(diverged, n, control[1], control[0]) if kind != CONTROL else None
+        per_kind[kind] = {
+            "answers": n,
+            "divergences": diverged,
+            "divergence_rate": diverged / n,
+            "mean_divergence_position": positions / diverged if diverged else None,
+            "excess": None if excess is None else excess.excess,
+            "excess_ci95": None if excess is None else [excess.low, excess.high],
+        }
     return {
-        "shadow_checks": checks,
+        "shadow_checks": int(grew("shadow_checks_total")),
+        "shadow_first_token_checks": checks,
         "shadow_top1_disagreements": flips,
         "shadow_disagreement_rate": flips / checks if checks else None,
         "shadow_kl_mean": grew("shadow_kl_sum") / checks if checks else None,
         "shadow_reproduced_rate": grew("shadow_reproduced_total") / compared if compared else None,
         "shadow_dropped": int(grew("shadow_dropped_total")),
         "shadow_failed": int(grew("shadow_failed_total")),
+        "shadow_answers": per_kind,
     }
 
 
@@ -635,20 +669,30 @@ def report(summary: dict) -> str:
         lines += [
             "## Shadow checks",
             "",
-            f"The connector checked a share {summary.get('shadow_rate')} of its zero-state resumes in a shadow "
-            "process (`shadow_rate`): the prompt's first-token distribution as the served recipe computes it (the "
-            "KV before the resume point, zeroed linear states there) against the exact one (the same KV and the "
-            "exact states), on one transformers code path, after the request was answered. Flips: checks whose "
-            "top-1 differs; KL(exact || served recipe) in nats; reproduced: the share whose served recipe's top-1 "
-            "in the shadow is the token vLLM served.",
+            f"The connector checked a share {summary.get('shadow_rate')} of its requests in a shadow process "
+            "(`shadow_rate`), after each was answered. Served answers: teacher-forced through exact full prefill "
+            "in transformers, per kind of request (`full`: nothing loaded, the control group; `exact`: an exact "
+            "stored state; `zero@budget`: a zero-state tail), the share whose served tokens left exact greedy "
+            "before the answer's end, and its excess over the full prefills' (the engine's own noise) with a 95% "
+            "interval. First token: a zero-state resume's served recipe (the KV before the resume point, zeroed "
+            "states there) against the exact one on one code path; flips: top-1 differs; KL(exact || served recipe) "
+            "in nats; reproduced: the share whose served recipe's top-1 is the token vLLM served.",
             "",
-            "| workload | clients | budget | checks | flips | flip rate | KL mean | reproduced | dropped | failed |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | clients | budget | answers diverged (kind) | excess over full [95% CI] | "
+            "first-token checks | flips | flip rate | KL mean | reproduced | dropped | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in shadowed:
             rate, kl, same = row["shadow_disagreement_rate"], row["shadow_kl_mean"], row["shadow_reproduced_rate"]
+            answers = row.get("shadow_answers") or {}
+            diverged = "; ".join(f"{f['divergences']}/{f['answers']} ({kind})" for kind, f in answers.items())
+            excess = "; ".join(
+                f"{f['excess']:+.3f} [{f['excess_ci95'][0]:+.3f}, {f['excess_ci95'][1]:+.3f}] ({kind})"
+                for kind, f in answers.items() if f.get("excess") is not None
+            )  # fmt: skip
             lines.append(
-                f"| {row['workload']} | {row['clients']} | {row['budget']} | {row['shadow_checks']} | "
+                f"| {row['workload']} | {row['clients']} | {row['budget']} | {diverged or '—'} | {excess or '—'} | "
+                f"{row.get('shadow_first_token_checks', row['shadow_checks'])} | "
                 f"{row['shadow_top1_disagreements']} | {'—' if rate is None else f'{rate:.3f}'} | "
                 f"{'—' if kl is None else f'{kl:.2e}'} | {'—' if same is None else f'{same:.3f}'} | "
                 f"{row['shadow_dropped']} | {row['shadow_failed']} |"

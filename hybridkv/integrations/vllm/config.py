@@ -43,14 +43,25 @@ class ConnectorConfig:
     # `max_held_mib`, in bytes: verified pages held in memory for requests not yet admitted; past
     # it, new lookups wait. Default 1024 MiB
     max_held_bytes: int
-    # `shadow_rate`: the share of zero-state resumes (inexact hits) checked against the exact
-    # answer's first token in a shadow process, off the request's path (`shadow.py`). 0 (the
-    # default) turns checks off; 1 checks every one. Sampled by a hash of the request id
+    # `shadow_rate`: the share of finished requests whose served answer is checked against exact full
+    # prefill in a shadow process, off the request's path (`shadow.py`): every kind of request alike,
+    # so full prefills give the control group. 0 (the default) turns checks off; 1 checks every one.
+    # Sampled by a hash of the request id
     shadow_rate: float = 0.0
-    # `shadow_floor`: a disagreement rate in (0, 1]; once the checks' rate (over at least 20) reaches
-    # it, the engine stops resuming from zero states: an exact stored state within the match, else a
-    # full prefill. Needs `shadow_rate` > 0. Default none
+    # `shadow_floor`: an excess divergence rate in (0, 1]. Once the last `shadow_window` checks of
+    # requests that read the store diverge this much more often than the last `shadow_window` full
+    # prefills, the connector steps up its ladder (`shadow.ShadowGuard`). Needs `shadow_rate` > 0.
+    # Default none: checks are counted, nothing acts
     shadow_floor: float | None = None
+    # `shadow_window`: the checks the floor judges at a time (at least 2)
+    shadow_window: int = 50
+    # `shadow_ladder`: the tails stepped through above the configured budget before exact stored
+    # states only, then full prefills
+    shadow_ladder: tuple[Budget, ...] = (Budget(fraction=0.2), Budget(fraction=0.5))
+    # `shadow_on_error`: when checks stop (the shadow process dead, failing, or its queue full):
+    # "ignore" (count it, resume as configured) or "exact" (resume from exact stored states only
+    # until a check succeeds again)
+    shadow_on_error: str = "ignore"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, model: str) -> ConnectorConfig:
@@ -69,14 +80,14 @@ class ConnectorConfig:
             store=_store(extra.get("store")),
             cache_salt=_text(extra.get("cache_salt", ""), "cache_salt"),
             max_held_bytes=_mib(extra.get("max_held_mib", 1024), "max_held_mib"),
-            **_shadow(extra.get("shadow_rate", 0.0), extra.get("shadow_floor")),
+            **_shadow(extra),
         )
 
 
 # Every key `parse` reads (`max_held_mib` fills `max_held_bytes`).
 SETTINGS = frozenset(
     {"store", "replay_budget", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
-     "shadow_floor"}
+     "shadow_floor", "shadow_window", "shadow_ladder", "shadow_on_error"}
 )  # fmt: skip
 
 
@@ -111,16 +122,39 @@ def _mib(setting, name: str) -> int:
     return int(mib * 2**20)
 
 
-def _shadow(rate, floor) -> dict[str, float | None]:
-    """`shadow_rate` in [0, 1] and `shadow_floor` in (0, 1] (or absent), which needs checks to read."""
+def _shadow(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The shadow settings: `shadow_rate` in [0, 1]; `shadow_floor` in (0, 1] (or absent), which
+    needs checks to read; `shadow_window` a count of at least 2; `shadow_ladder` a list of budgets;
+    `shadow_on_error` "ignore" or "exact"."""
+    defaults = {f: ConnectorConfig.__dataclass_fields__[f].default for f in ("shadow_window", "shadow_ladder")}
+    rate, floor = extra.get("shadow_rate", 0.0), extra.get("shadow_floor")
+    window = extra.get("shadow_window", defaults["shadow_window"])
+    on_error = extra.get("shadow_on_error", "ignore")
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-        raise HybridKVError(f"shadow_rate {rate!r}: a share of inexact hits to check, from 0 to 1")
+        raise HybridKVError(f"shadow_rate {rate!r}: a share of requests to check, from 0 to 1")
     if floor is not None:
         if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 < floor <= 1:
-            raise HybridKVError(f"shadow_floor {floor!r}: a top-1 disagreement rate above 0, at most 1")
+            raise HybridKVError(f"shadow_floor {floor!r}: an excess divergence rate above 0, at most 1")
         if rate == 0:
-            raise HybridKVError(f"shadow_floor {floor!r} needs shadow_rate > 0: the floor reads the checks' rate")
-    return {"shadow_rate": float(rate), "shadow_floor": None if floor is None else float(floor)}
+            raise HybridKVError(f"shadow_floor {floor!r} needs shadow_rate > 0: the floor reads the checks")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise HybridKVError(f"shadow_window {window!r}: a number of checks, at least 2")
+    if on_error not in ("ignore", "exact"):
+        raise HybridKVError(f'shadow_on_error {on_error!r}: "ignore" or "exact"')
+    ladder = extra.get("shadow_ladder")
+    if ladder is None:
+        tails = defaults["shadow_ladder"]
+    elif isinstance(ladder, list | tuple) and all(isinstance(t, str | int | float) for t in ladder):
+        try:
+            tails = tuple(Budget.parse(str(t)) for t in ladder)
+        except HybridKVError as err:
+            raise HybridKVError(f"shadow_ladder {ladder!r}: {err}") from None
+    else:
+        raise HybridKVError(f'shadow_ladder {ladder!r}: a list of replay budgets (fractions or "256tok")')
+    return {
+        "shadow_rate": float(rate), "shadow_floor": None if floor is None else float(floor),
+        "shadow_window": window, "shadow_ladder": tails, "shadow_on_error": on_error,
+    }  # fmt: skip
 
 
 def _replay_horizon(setting, model: str) -> int | None:

@@ -25,7 +25,7 @@ that step and written to the store by a background thread, off the request's pat
 vLLM builds one connector per role, and each role's connector builds that side only:
 `scheduler_side.SchedulerSide` or `worker_side.WorkerSide`, which talk through the step's metadata
 (`metadata.py`); both take the settings (`config.ConnectorConfig`: `store`, `replay_budget`,
-`replay_horizon`, `cache_salt`, `save_states`, `max_held_mib`, `shadow_rate`, `shadow_floor`) and
+`replay_horizon`, `cache_salt`, `save_states`, `max_held_mib`, and the shadow checks' `shadow_*`) and
 the engine's cache layout (`layout.CacheGroups`). A request may set its own budget:
 `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`. Each finished
 request reports `{"hybridkv": {"matched", "reused", "exact_state"}}` in

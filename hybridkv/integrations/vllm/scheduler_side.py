@@ -20,7 +20,18 @@ from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
 from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
-from hybridkv.integrations.vllm.shadow import ShadowChecker, ShadowFloor, ShadowJob, ShadowResult, sampled
+from hybridkv.integrations.vllm.shadow import (
+    EXACT,
+    FULL,
+    STORED,
+    ZERO,
+    ShadowChecker,
+    ShadowGuard,
+    ShadowJob,
+    ShadowResult,
+    sampled,
+    zero_label,
+)
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
 from hybridkv.integrations.vllm.worker_side import drain_local_saves
 from hybridkv.methods import Budget
@@ -35,6 +46,8 @@ class _Lookup:  # scheduler-side record of a request's lookup, with its verified
     exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
     resume: ResumePlan | None = None
     zero_state: bool = False  # resumed at start from zeroed linear states (a tail replay)
+    budget: str = ""  # the replay budget it was looked up with
+    rung: int = 0  # the shadow guard's rung it was looked up at
 
 
 @dataclass
@@ -90,11 +103,13 @@ class SchedulerSide(ConnectorSide):
         self._held = 0  # hits holding verified pages
         self._held_bytes = 0
         # shadow checks (`shadow.py`) of the served checkpoint `model`, served in `dtype`
-        self.shadow_floor = ShadowFloor(config.shadow_floor)
+        self.shadow_guard = ShadowGuard(
+            config.shadow_floor, config.shadow_window, _larger_tails(config), config.shadow_on_error
+        )
         self._shadow: ShadowChecker | None = None
         self._shadow_failed_seen = False  # the first failure is logged, later ones only counted
         if config.shadow_rate > 0:
-            self._shadow = ShadowChecker(model, dtype, self._shadow_done)
+            self._shadow = ShadowChecker(model, dtype, self._shadow_done, on_down=self._checks_stopped)
 
     @property
     def held_bytes(self) -> int:
@@ -209,23 +224,31 @@ class SchedulerSide(ConnectorSide):
         """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
         budget, horizon = self._request_budget(request), self.config.replay_horizon
-        floored = self.shadow_floor.tripped
-        if floored:  # the whole match is in reach: an exact stored state anywhere in it, else start 0
+        guard = self.shadow_guard
+        rung = guard.effective_rung
+        if rung >= guard.top:  # the ladder's top: nothing is read
+            return _Lookup(0, 0, rung=rung)
+        if rung >= guard.exact_rung:  # the whole match is in reach: an exact stored state anywhere in it
             budget, horizon = Budget(fraction=1.0), None
+        elif rung > 0:
+            budget, horizon = guard.tails[rung - 1], None
         try:
             drain_local_saves()  # this process's own saves first (see worker_side._Writer)
             resume = self.blocks.resume(
                 list(request.prompt_token_ids), attention, states, budget,
                 getattr(request, "cache_salt", None), horizon, self.pool_alignment,
             )  # fmt: skip
-            if floored and resume.start and not resume.exact:
-                return _Lookup(resume.matched, 0)  # only an inexact state in reach: a full prefill
+            if rung >= guard.exact_rung and resume.start and not resume.exact:
+                return _Lookup(resume.matched, 0, rung=rung)  # only an inexact state in reach: a full prefill
             exact_state = resume.states is not None and resume.exact
             zero_state = resume.start > 0 and resume.states is None
-            return _Lookup(resume.matched, resume.start, exact_state, resume if resume.start else None, zero_state)
+            return _Lookup(
+                resume.matched, resume.start, exact_state, resume if resume.start else None, zero_state,
+                str(budget), rung,
+            )  # fmt: skip
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
-            return _Lookup(0, 0)
+            return _Lookup(0, 0, rung=rung)
 
     def _request_budget(self, request) -> Budget:
         budget = self.config.replay_budget
@@ -354,50 +377,89 @@ class SchedulerSide(ConnectorSide):
     @timed("hook_seconds")
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
         hit = self._hits.get(request.request_id)
-        # served from zero states: its load went out (the pages left the hit) and was not undone
-        zero_state_resume = hit is not None and hit.zero_state and hit.resume is None
+        uncacheable = request.request_id in self._uncacheable
         info = self._forget(request.request_id)
-        if self._shadow is not None and zero_state_resume:
-            self._queue_shadow_check(request, hit.start)
+        if self._shadow is not None and not uncacheable:
+            self._queue_shadow_check(request, hit)
         return False, ({"hybridkv": info} if info is not None else None)
 
-    def _queue_shadow_check(self, request, start: int) -> None:
-        """A finished zero-state resume, sampled at `shadow_rate`, goes to the shadow process; its
-        answer is out, so the check delays nothing. A full queue drops it (counted)."""
+    def _queue_shadow_check(self, request, hit: _Lookup | None) -> None:
+        """A finished request, sampled at `shadow_rate`, goes to the shadow process with how its
+        prompt was computed; its answer is out, so the check delays nothing. Greedy answers are
+        checked; a zero-state resume's first token is checked whatever the sampling. A full queue
+        drops it (counted)."""
         if not sampled(request.request_id, self.config.shadow_rate):
             return
+        if hit is not None and hit.start and hit.resume is not None:
+            return  # its load was never made (aborted before admission): nothing was served
+        if hit is None or not hit.start:
+            kind, label = FULL, FULL
+        elif hit.exact_state:
+            kind, label = EXACT, EXACT
+        elif hit.zero_state:
+            kind, label = ZERO, zero_label(hit.budget)
+        else:
+            kind, label = STORED, STORED
         params = getattr(request, "sampling_params", None)
         greedy = params is not None and getattr(params, "temperature", 1.0) < 1e-5  # vLLM's _SAMPLING_EPS
-        outputs = list(getattr(request, "output_token_ids", None) or [])
-        served = int(outputs[0]) if greedy and outputs else None
-        job = ShadowJob(request.request_id, list(request.prompt_token_ids), start, served)
+        outputs = [int(t) for t in getattr(request, "output_token_ids", None) or []]
+        served = outputs if greedy and outputs else None
+        if served is None and kind != ZERO:
+            return  # nothing to check: only a greedy answer has one right continuation
+        rung = hit.rung if hit is not None else self.shadow_guard.effective_rung
+        job = ShadowJob(request.request_id, list(request.prompt_token_ids), kind, label,
+                        hit.start if hit is not None else 0, served, rung)  # fmt: skip
         if self._shadow.submit(job):
             self._count("shadow_queued")
-        else:  # a full queue drops it; a shadow process that is gone fails it
-            self._count("shadow_failed" if self._shadow.dead else "shadow_dropped")
+            return
+        # a full queue drops it; a shadow process that is gone fails it
+        self._count("shadow_failed" if self._shadow.dead else "shadow_dropped")
+        self._checks_stopped("the shadow process is down" if self._shadow.dead else "the shadow queue is full")
 
-    def _shadow_done(self, result: ShadowResult) -> None:
+    def _checks_stopped(self, why: str) -> None:
+        """Checks are not being made: with `shadow_on_error` "exact", lookups hold at exact stored
+        states until one succeeds again."""
+        guard = self.shadow_guard
+        with self._stats_lock:
+            if guard.unavailable:
+                return
+            guard.unavailable = True
+            self._stats.count("shadow_unavailable_spells")
+            self._stats.set_gauges(guard)
+        if guard.on_error == "exact":
+            log.warning("hybridkv: %s: exact stored states or full prefills only, until checks resume", why)
+
+    def _shadow_done(self, job: ShadowJob, result: ShadowResult) -> None:
         """A check's result, on the shadow's reading thread: counted for the next step's stats, and
-        weighed against the floor."""
+        weighed by the guard."""
+        guard = self.shadow_guard
         if result.error is not None:
             with self._stats_lock:
                 first, self._shadow_failed_seen = not self._shadow_failed_seen, True
                 self._stats.count("shadow_failed")
             if first:
                 log.warning("hybridkv: a shadow check failed: %s", result.error)
+            self._checks_stopped(f"a shadow check failed ({result.error})")
             return
         with self._stats_lock:
-            self._stats.record_shadow(result.top1_agrees, result.kl, result.reproduced)
-            tripped = self.shadow_floor.record(not result.top1_agrees)
-            if tripped:
-                self._stats.count("shadow_floor_trips")
-        if tripped:
-            floor = self.shadow_floor
+            self._stats.record_shadow(job.label, result)
+            before, recovered = guard.describe(guard.effective_rung), guard.unavailable
+            guard.unavailable = False
+            step = guard.record(job.kind, result.flagged, job.rung)
+            if step:
+                self._stats.count("shadow_escalations" if step > 0 else "shadow_steps_down")
+            self._stats.set_gauges(guard)
+            excess = guard.judged
+        if recovered and guard.on_error == "exact":
+            log.warning("hybridkv: shadow checks resumed: %s again", guard.describe(guard.effective_rung))
+        if step > 0:
             log.warning(
-                "hybridkv: shadow checks disagree on the first token in %d of %d (%.2f >= shadow_floor %.2f): "
-                "no more zero-state resumes on this engine (exact stored states or full prefills)",
-                floor.disagreements, floor.checks, floor.rate, floor.floor,
+                "hybridkv: shadow checks: answers read from the store diverge %.2f more often than full prefills' "
+                "over the last %d (shadow_floor %.2f): stepping up from %s to %s",
+                excess, guard.window, guard.floor, before, guard.describe(),
             )  # fmt: skip
+        elif step < 0:
+            log.warning("hybridkv: shadow checks clean over a window: stepping down to %s", guard.describe())
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -408,3 +470,13 @@ class SchedulerSide(ConnectorSide):
         if self._shadow is not None:
             self._shadow.shutdown()
         super().shutdown()
+
+
+def _larger_tails(config: ConnectorConfig) -> tuple[Budget, ...]:
+    """The ladder's tails that replay more than the configured budget (all of them where one of
+    the two is a token count: which is larger depends on the match)."""
+    configured = config.replay_budget.fraction
+    return tuple(
+        tail for tail in config.shadow_ladder
+        if configured is None or tail.fraction is None or tail.fraction > configured
+    )  # fmt: skip

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
@@ -61,12 +61,14 @@ class ServerSpec:
     top_logprobs: int = 20
     seed: int = 0
     namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages
-    shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of zero-state resumes
+    shadow_rate: float = 0.0  # the connector's shadow checks (`shadow.py`): the share of requests checked
     save_states: bool = True  # the connector stores each prompt's final linear states (exact checkpoints)
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--hf-overrides", '{...}')
     # 0: one prefill per prompt. Else vLLM prefills in chunks of this many tokens, so a prompt is
     # split where a resume from a state stored after that many tokens splits it: the same computation.
     prefill_chunk: int = 0
+    # more `kv_connector_extra_config` settings (`config.py`), e.g. {"shadow_floor": 0.3}
+    connector_settings: dict = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
         if self.config not in SERVER_CONFIGS:
@@ -104,6 +106,7 @@ class ServerSpec:
                 transfer["kv_connector_extra_config"]["shadow_rate"] = self.shadow_rate
             if not self.save_states:
                 transfer["kv_connector_extra_config"]["save_states"] = False
+            transfer["kv_connector_extra_config"] |= self.connector_settings
             if self.budget == ADAPTIVE:
                 transfer["kv_connector_extra_config"] |= {"replay_budget": "1.0", "replay_horizon": "calibrated"}
             args += ["--kv-transfer-config", json.dumps(transfer)]
@@ -194,13 +197,19 @@ class Server:
             self._process.wait()
 
     def metrics(self, prefix: str = "vllm:hybridkv_") -> dict[str, float]:
-        """The server's Prometheus series starting with `prefix`, each summed over its labels."""
+        """The server's Prometheus series starting with `prefix`, each summed over its labels; a
+        series with a `kind` label (the shadow's, per kind of request) also per kind, as `name{kind="..."}`."""
         import httpx
 
         text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
         sums: dict[str, float] = {}
-        for name, value in re.findall(rf"^({re.escape(prefix)}[a-z0-9_]+)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+        series = re.findall(rf"^({re.escape(prefix)}[a-z0-9_]+)(?:\{{([^}}]*)\}})? (\S+)$", text, re.M)
+        for name, labels, value in series:
             sums[name] = sums.get(name, 0.0) + float(value)
+            # the shadow's per-kind series are also kept apart: name{kind="..."}
+            if (kind := re.search(r'\bkind="([^"]*)"', labels)) is not None and "le=" not in labels:
+                key = f'{name}{{kind="{kind.group(1)}"}}'
+                sums[key] = sums.get(key, 0.0) + float(value)
         return sums
 
     def block_size(self) -> int:
@@ -243,7 +252,8 @@ def settle_shadow_checks(servers: list[Server], timeout_s: float = 300.0) -> dic
             # first a step on every engine: the step that finished the last request counted its
             # checks queued, and the API server records a step's figures just after its answers
             for server in servers:
-                body = {"model": server.spec.model, "prompt": [2, 2, 2, 2], "max_tokens": 1,
+                # sampled, not greedy: a request with no one right answer is never checked itself
+                body = {"model": server.spec.model, "prompt": [2, 2, 2, 2], "max_tokens": 1, "temperature": 1.0,
                         "cache_salt": f"hybridkv-settle-{uuid.uuid4().hex}"}  # fmt: skip
                 client.post(f"{server.url}/v1/completions", json=body)
             time.sleep(0.5)

@@ -1,29 +1,46 @@
-"""Shadow checks: how far a served zero-state replay's first token is from the exact one, on live traffic.
+"""Shadow checks: what vLLM served, against exact full prefill, on live traffic, beside the engine's own noise.
 
-With `"shadow_rate": p` the scheduler side samples a share p of the requests it resumed inexactly
-(zero linear states at the resume point s, exact-KV pages of [0, s) loaded, vLLM prefilling
-[s, end) itself) and, once each has been answered, hands its prompt and s to a shadow process.
-The shadow process holds a transformers copy of the served checkpoint (`hybridkv.models`) and,
-on one code path and in one dtype, computes the prompt's first-token distribution twice through
-hybridkv's executor, from one prefill of [0, s) (a full recompute of the prompt, split at s):
+With `"shadow_rate": p` the scheduler side samples a share p of its finished requests (a hash of the
+request id) and hands each, once answered, to a shadow process with its prompt, the tokens vLLM
+served and how the connector computed the prompt — its **kind**:
 
-- **served recipe**: the attention KV of [0, s) and zero linear states at s, then [s, end) —
-  the resume vLLM made (`Recipe(s, s, state_seed=False)`);
-- **exact**: the same KV and the exact linear states at s, then [s, end) — a full prefill of the
-  prompt split at s (`Recipe(s, s, state_seed=True)`).
+- `full`: nothing loaded from the store (a miss, or a match recomputed in full);
+- `exact`: resumed from an exact stored linear-state checkpoint with its attention pages;
+- `stored`: resumed from a stored state that was itself approximate (saved after a zero-state resume);
+- `zero@<budget>`: resumed from zero linear states at s with the pages of [0, s) (a tail replay).
 
-The two differ in the linear states at s and nothing else, so their top-1 agreement and KL(exact ‖
-served recipe) measure the replay's approximation alone: kernel and dtype differences between vLLM
-and transformers, and the prefill's split, cancel out. The first token vLLM actually served is
-compared with the served recipe's argmax too ("reproduced"): it tells whether the shadow models
-the serving path (it does not where the loaded pages were themselves inexact, or where vLLM's bf16
-rounding flips a near-tie). vLLM's stored pages are its own packed bytes, which a transformers
-model cannot read, so the shadow never uses a stored state: it recomputes.
+The shadow process holds a transformers copy of the served checkpoint (`hybridkv.models`) and makes,
+per sampled request, one or two checks:
+
+- **the served answer** (greedy requests): one teacher-forced forward of prompt + served answer,
+  computed exactly (a full prefill). Per answer position: is the served token the exact argmax
+  (ties count as agreeing)? The first position where it is not is the divergence, with the exact
+  log-prob gap there (log p(argmax) − log p(served), nats). An answer that runs on past the point
+  where exact greedy stops diverges there, so a wrong ending shows as a divergence at the answer's end.
+  This measures what the user got: the pages vLLM loaded, its kernels, bf16, its batching — everything.
+  `full` checks are the **control group**: vLLM computing from nothing must agree with transformers up
+  to the engine's own noise (kernels, dtype, batch shapes); every other kind's divergence rate is read
+  as an excess over it. `exact` resumes are not part of the control: they read stored bytes, which is
+  what can go wrong (a bad page), so they are a kind whose excess is measured like the others.
+- **the served recipe's first token** (zero-state kinds): the prompt's first-token distribution from
+  the KV of [0, s) with zero linear states at s, against the same KV with the exact states at s (one
+  prefill of [0, s), `Recipe(s, s, state_seed=False/True)`). The two differ in the states alone, so
+  their top-1 agreement and KL(exact ‖ served recipe) isolate the replay's approximation from every
+  kernel and dtype difference. "Reproduced" says whether vLLM's first served token is that recipe's argmax.
+
+vLLM's stored pages are its own packed bytes, which a transformers model cannot read, so the shadow
+never uses a stored state: it recomputes. A check costs one forward of prompt + answer (and for a
+zero-state resume a prefill of the prompt split at s, twice from s): about the request's own prefill.
 
 The shadow runs in a child process (`python -m hybridkv.integrations.vllm.shadow MODEL DTYPE`),
 on one thread and at a lower priority: `torch.set_num_threads` is process-wide and would slow an
 engine sharing the process, and the child's work never delays a served answer (it starts once
-the request has finished). Jobs and results cross as JSON lines on its stdin and stdout.
+the request has finished). Jobs and results cross as JSON lines on its stdin and stdout. A process
+that dies is started again with the next job, at most once per `RESTART_AFTER_S`.
+
+`ShadowGuard` turns the results into action: the excess of the loaded kinds' answer-divergence rate
+over the control group's, over a window of recent checks, steps the connector's resumes up a ladder
+(larger tails, then exact stored states only, then full prefills) and back down after clean windows.
 """
 
 from __future__ import annotations
@@ -38,6 +55,8 @@ import queue
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -46,28 +65,52 @@ log = logging.getLogger("hybridkv.vllm")
 # Checks waiting or running at once; a sampled request beyond that is dropped and counted
 # (`shadow_dropped`): the shadow falls behind a busy engine rather than holding its prompts.
 SHADOW_CAPACITY = 16
-# The disagreement rate is judged against `shadow_floor` only over at least this many checks: at a
-# true rate of 0.3, 20 checks put the observed rate within ±0.2 of it 95% of the time (binomial).
-FLOOR_MIN_CHECKS = 20
+# A shadow process that died is started again with the next job, but not more often than this:
+# a model that cannot load would otherwise be loaded once per sampled request.
+RESTART_AFTER_S = 10.0
+
+FULL, EXACT, STORED, ZERO = "full", "exact", "stored", "zero"
+CONTROL = FULL  # the kind every other kind's divergence rate is read against
+
+
+def zero_label(budget: str) -> str:
+    """The series a zero-state resume at `budget` counts under."""
+    return f"{ZERO}@{budget}"
 
 
 @dataclass(frozen=True)
 class ShadowJob:
-    """A finished request vLLM resumed at `start` from zero linear states with the KV of [0, start)."""
+    """A finished request: its prompt, how vLLM computed it, and what it served."""
 
     request_id: str
     tokens: list[int]
-    start: int
-    served_token: int | None  # the first token vLLM served, where it was chosen greedily
+    kind: str  # FULL, EXACT, STORED or ZERO
+    label: str  # the series it counts under: the kind, or zero_label(budget)
+    start: int = 0  # where it resumed (the KV of [0, start) loaded); 0 for FULL
+    served: list[int] | None = None  # the tokens vLLM served, where chosen greedily; else None
+    rung: int = 0  # the guard's rung when it was looked up (`ShadowGuard`)
 
 
 @dataclass(frozen=True)
 class ShadowResult:
     request_id: str
-    top1_agrees: bool = True  # the served recipe's argmax is the exact one's
-    kl: float = 0.0  # KL(exact ‖ served recipe) over the whole vocabulary, in nats
-    reproduced: bool | None = None  # vLLM's served token is the served recipe's argmax (None: not compared)
+    # the served answer, teacher-forced through exact full prefill (0 checked: not greedy, or nothing served)
+    answer_length: int = 0
+    diverged_at: int | None = None  # the first answer position whose served token is not the exact argmax
+    gap: float | None = None  # log p(exact argmax) - log p(served token) there, in nats
+    # the served recipe's first token (zero-state kinds; None elsewhere)
+    top1_agrees: bool | None = None  # the served recipe's argmax is the exact one's
+    kl: float | None = None  # KL(exact ‖ served recipe) over the whole vocabulary, in nats
+    reproduced: bool | None = None  # vLLM's first served token is the served recipe's argmax
     error: str | None = None  # the check could not be made (the model failed to load, the process died)
+
+    @property
+    def flagged(self) -> bool | None:
+        """What the guard weighs: the answer diverged, or (no answer checked) the recipe's first
+        token flipped; None: nothing to judge."""
+        if self.answer_length:
+            return self.diverged_at is not None
+        return None if self.top1_agrees is None else not self.top1_agrees
 
 
 def sampled(request_id: str, rate: float) -> bool:
@@ -79,122 +122,241 @@ def sampled(request_id: str, rate: float) -> bool:
     return draw < rate
 
 
-class ShadowFloor:
-    """The checks' disagreement tally, and whether it crossed the engine's `shadow_floor`: once the
-    rate over at least `min_checks` checks is at or above the floor, the floor trips for good (the
-    scheduler then makes no inexact resume, so no new check could clear it)."""
+# == the arithmetic of a divergence rate against the control group's ================================
 
-    def __init__(self, floor: float | None, min_checks: int = FLOOR_MIN_CHECKS) -> None:
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for a binomial proportion (sensible at 0 and n successes)."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Excess:
+    """A kind's divergence rate minus the control group's, with Newcombe's 95% interval (the hybrid
+    score interval for a difference of two independent proportions: Wilson's on each, combined)."""
+
+    rate: float
+    control_rate: float
+    excess: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, diverged: int, checks: int, control_diverged: int, control_checks: int) -> Excess | None:
+        """None where either side has no checks."""
+        if checks <= 0 or control_checks <= 0:
+            return None
+        p1, p2 = diverged / checks, control_diverged / control_checks
+        l1, u1 = wilson(diverged, checks)
+        l2, u2 = wilson(control_diverged, control_checks)
+        d = p1 - p2
+        return cls(
+            p1, p2, d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+        )
+
+
+# == the guard: a window, a ladder, a policy for when checks stop =====================================
+
+
+class ShadowGuard:
+    """The connector's answer to its checks. Rungs, from the configured behaviour up:
+
+        0            the configured budget (and horizon)
+        1 .. k       the ladder's larger tails (`tails`, each a Budget), no horizon
+        k + 1        exact stored states only (a lookup reaches over the whole match for one; else full)
+        k + 2        full prefill
+
+    Each result of a check made at the current rung goes in: a **loaded** one (the request read the
+    store: any kind but FULL) into the rung's window of the last `window` such flags, a FULL one into
+    the control window (the last `window` FULL checks, at any rung). Once the rung's window is full
+    and its flag rate exceeds the control window's by `floor` or more, the guard steps up one rung
+    (its window starts empty). At a rung above 0, `window` checks made there (of any kind) whose
+    loaded flags (if any) stay under the floor step it back down; a rung tripped into again needs
+    twice as many clean checks each time, so a budget that is wrong for the model does not flap.
+    With `floor` None the guard only counts. With `on_error` "exact", checks that stopped (the shadow
+    dead, failing or dropping jobs) hold lookups at the exact-states rung at least, until one succeeds."""
+
+    def __init__(
+        self, floor: float | None, window: int, tails: tuple = (), on_error: str = "ignore"
+    ) -> None:  # fmt: skip
         self.floor = floor
-        self.min_checks = min_checks
-        self.checks = 0
-        self.disagreements = 0
-        self.tripped = False
+        self.window = window
+        self.tails = tails
+        self.on_error = on_error
+        self.exact_rung = len(tails) + 1
+        self.top = len(tails) + 2
+        self.rung = 0
+        self.loaded: deque[bool] = deque(maxlen=window)
+        self.control: deque[bool] = deque(maxlen=window)
+        self.checks_at_rung = 0
+        self.entered = [0] * (self.top + 1)  # times each rung was stepped up into
+        self.unavailable = False  # checks stopped (on_error "exact" then holds the exact rung)
+        self.judged: float | None = None  # the excess the last check was judged on
 
     @property
-    def rate(self) -> float | None:
-        return self.disagreements / self.checks if self.checks else None
+    def effective_rung(self) -> int:
+        """The rung lookups follow now."""
+        if self.unavailable and self.on_error == "exact":
+            return max(self.rung, self.exact_rung)
+        return self.rung
 
-    def record(self, disagrees: bool) -> bool:
-        """Count one check; True when this one trips the floor."""
-        self.checks += 1
-        self.disagreements += int(disagrees)
-        if self.tripped or self.floor is None or self.checks < self.min_checks:
-            return False
-        self.tripped = self.rate >= self.floor
-        return self.tripped
+    def excess(self) -> float | None:
+        """The rung's window's flag rate over the control window's (no control yet: over 0)."""
+        if not self.loaded:
+            return None
+        control = sum(self.control) / len(self.control) if self.control else 0.0
+        return sum(self.loaded) / len(self.loaded) - control
+
+    def record(self, kind: str, flagged: bool | None, rung: int) -> int:
+        """One check's result (made at `rung`); returns the step taken: +1 up, -1 down, 0 none."""
+        if flagged is None:
+            return 0
+        if kind == CONTROL:
+            self.control.append(flagged)
+        if rung != self.rung:  # looked up before the last step: it says nothing of this rung
+            return 0
+        self.checks_at_rung += 1
+        if kind != CONTROL:
+            self.loaded.append(flagged)
+        if self.floor is None:
+            return 0
+        excess = self.judged = self.excess()
+        if len(self.loaded) == self.window and excess >= self.floor and self.rung < self.top:
+            self._move(self.rung + 1)
+            self.entered[self.rung] += 1
+            return 1
+        clean_needed = self.window * 2 ** max(0, self.entered[self.rung] - 1)
+        if self.rung > 0 and self.checks_at_rung >= clean_needed and (excess is None or excess < self.floor):
+            self._move(self.rung - 1)
+            return -1
+        return 0
+
+    def _move(self, rung: int) -> None:
+        self.rung = rung
+        self.loaded.clear()
+        self.checks_at_rung = 0
+
+    def describe(self, rung: int | None = None) -> str:
+        rung = self.rung if rung is None else rung
+        if rung == 0:
+            return "the configured budget"
+        if rung <= len(self.tails):
+            return f"tails of {self.tails[rung - 1]}"
+        return "exact stored states only" if rung == self.exact_rung else "full prefills"
 
 
 class ShadowChecker:
     """The scheduler's handle on the shadow process: a bounded queue of jobs fed to it by a thread,
-    and a thread reading its results into `on_result`. The process starts with the first job (on
-    the feeding thread, off the engine loop); nothing here blocks the caller."""
+    and a thread reading its results into `on_result(job, result)`. The process starts with the
+    first job (on the feeding thread, off the engine loop), and again with a job after it died
+    (at most once per `RESTART_AFTER_S`); its death is told to `on_down(why)` as it happens (its
+    pending jobs then fail with why). Nothing here blocks the caller."""
 
     def __init__(
-        self, model: str, dtype: str, on_result: Callable[[ShadowResult], None], capacity: int = SHADOW_CAPACITY
-    ) -> None:
+        self, model: str, dtype: str, on_result: Callable[[ShadowJob, ShadowResult], None],
+        capacity: int = SHADOW_CAPACITY, on_down: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.dtype = dtype
         self.on_result = on_result
+        self.on_down = on_down
         self.capacity = capacity
-        self._jobs: queue.Queue[ShadowJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: dict[str, ShadowJob] = {}  # submitted, not yet answered
+        self._jobs: queue.Queue[ShadowJob | None] | None = None  # the running process's queue
         self._process: subprocess.Popen | None = None
-        self._feeder: threading.Thread | None = None
-        self._dead = False
+        self._died_at: float | None = None
         self._closing = False  # shut down: the process exiting then is no failure to report
 
     @property
     def dead(self) -> bool:
-        """The shadow process is gone (or never started): no check will be made any more."""
-        return self._dead
+        """The shadow process is gone and too recently to start again: a job now would fail."""
+        with self._lock:
+            return self._died_at is not None and time.monotonic() - self._died_at < RESTART_AFTER_S
 
     @property
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
 
+    @property
+    def pid(self) -> int | None:
+        process = self._process
+        return None if process is None else process.pid
+
     def submit(self, job: ShadowJob) -> bool:
-        """Queue a check; False (nothing queued) when `capacity` checks are already pending or the
-        process is `dead`."""
+        """Queue a check; False (nothing queued) when `capacity` checks are already pending, or the
+        process died less than `RESTART_AFTER_S` ago."""
         with self._lock:
-            if self._dead or len(self._pending) >= self.capacity or job.request_id in self._pending:
+            if self._closing or len(self._pending) >= self.capacity or job.request_id in self._pending:
                 return False
+            if self._jobs is None:  # not started, or died: start one
+                if self._died_at is not None and time.monotonic() - self._died_at < RESTART_AFTER_S:
+                    return False
+                jobs = self._jobs = queue.Queue()
+                threading.Thread(target=self._run, args=(jobs,), name="hybridkv-shadow-feed", daemon=True).start()
             self._pending[job.request_id] = job
-            if self._feeder is None:
-                self._feeder = threading.Thread(target=self._feed, name="hybridkv-shadow-feed", daemon=True)
-                self._feeder.start()
-        self._jobs.put(job)
+            self._jobs.put(job)
         return True
 
-    def _feed(self) -> None:
+    def _run(self, jobs: queue.Queue) -> None:
+        """Start a process and feed it `jobs` until it exits or the checker shuts down."""
         try:
             env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            self._process = subprocess.Popen(
+            process = self._process = subprocess.Popen(
                 [sys.executable, "-m", __name__, self.model, self.dtype],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
             )  # fmt: skip
         except OSError as err:
-            self._fail_all(f"the shadow process did not start: {err}")
+            self._fail_all(jobs, f"the shadow process did not start: {err}")
             return
-        threading.Thread(target=self._read, name="hybridkv-shadow-read", daemon=True).start()
-        while (job := self._jobs.get()) is not None:
+        threading.Thread(target=self._read, args=(process, jobs), name="hybridkv-shadow-read", daemon=True).start()
+        while (job := jobs.get()) is not None:
             try:
-                self._process.stdin.write(json.dumps(asdict(job)) + "\n")
-                self._process.stdin.flush()
+                process.stdin.write(json.dumps(asdict(job)) + "\n")
+                process.stdin.flush()
             except (BrokenPipeError, OSError, ValueError):
-                self._fail_all("the shadow process exited")
-                return
-        with contextlib.suppress(OSError):
-            self._process.stdin.close()
+                break  # the reader sees it exit and fails what is pending
+        with contextlib.suppress(OSError, BrokenPipeError):
+            process.stdin.close()
 
-    def _read(self) -> None:
-        for line in self._process.stdout:
+    def _read(self, process: subprocess.Popen, jobs: queue.Queue) -> None:
+        for line in process.stdout:
             try:
                 result = ShadowResult(**json.loads(line))
             except (TypeError, ValueError):
                 continue  # not a result line (a library printing to stdout)
             with self._lock:
-                if self._pending.pop(result.request_id, None) is None:
-                    continue
-            self.on_result(result)
-        self._fail_all(f"the shadow process exited (status {self._process.wait()})")
+                job = self._pending.pop(result.request_id, None)
+            if job is not None:
+                self.on_result(job, result)
+        self._fail_all(jobs, f"the shadow process exited (status {process.wait()})")
 
-    def _fail_all(self, why: str) -> None:
-        """Every pending check fails, and so will every later one: the process is gone."""
+    def _fail_all(self, jobs: queue.Queue, why: str) -> None:
+        """The process is gone: every pending check fails; the next job starts another."""
         with self._lock:
-            failed, self._pending = list(self._pending), {}
-            first = not self._dead
-            self._dead = True  # no more submissions
-        if first and (failed or not self._closing):
-            log.warning("hybridkv: shadow checks stop: %s", why)
-        for request_id in failed:
-            self.on_result(ShadowResult(request_id, error=why))
+            failed, self._pending = list(self._pending.values()), {}
+            if self._jobs is jobs:
+                self._jobs, self._died_at = None, time.monotonic()
+            closing = self._closing
+        jobs.put(None)  # the feeder stops
+        if not closing:
+            log.warning("hybridkv: shadow checks stop until the process starts again: %s", why)
+            if self.on_down is not None:
+                self.on_down(why)
+        for job in failed:
+            self.on_result(job, ShadowResult(job.request_id, error=why))
 
     def shutdown(self) -> None:
-        self._closing = True
-        self._jobs.put(None)
+        with self._lock:
+            self._closing = True
+            if self._jobs is not None:
+                self._jobs.put(None)
         if self._process is not None:
             try:
                 self._process.wait(timeout=5)
@@ -205,8 +367,27 @@ class ShadowChecker:
 # == the shadow process ===========================================================================
 
 
-def check(model, job: ShadowJob) -> ShadowResult:
-    """Compute one check on `model` (a `HybridModel`): see the module's docstring."""
+def check_answer(model, prompt: list[int], served: list[int]) -> tuple[int | None, float | None]:
+    """Teacher-force `served` after `prompt` through one exact prefill of `model` (a `HybridModel`):
+    the first answer position whose served token is not the argmax, and the log-prob gap there."""
+    import torch
+
+    ids = torch.tensor(prompt + served[:-1], dtype=torch.long)
+    with torch.inference_mode():
+        logits = model.forward(ids, model.new_cache(), 0, logits_to_keep=len(served)).double()
+    log_p = logits.log_softmax(-1)
+    served_log_p = log_p.gather(1, torch.tensor(served).unsqueeze(1)).squeeze(1)
+    best = log_p.max(-1).values
+    below = (served_log_p < best).nonzero()  # a tie with the argmax agrees
+    if not len(below):
+        return None, None
+    at = int(below[0])
+    return at, float(best[at] - served_log_p[at])
+
+
+def check_first_token(model, job: ShadowJob) -> tuple[bool, float, bool | None]:
+    """The served recipe's first token against the exact one (see the module's docstring): top-1
+    agreement, KL(exact ‖ served recipe), and whether vLLM's first served token is the recipe's argmax."""
     import torch
 
     from hybridkv.cache.prefix_cache import CachedMatch
@@ -223,8 +404,22 @@ def check(model, job: ShadowJob) -> ShadowResult:
     log_p, log_q = exact.log_softmax(-1), served.log_softmax(-1)
     kl = float((log_p.exp() * (log_p - log_q)).sum().clamp_min(0.0))
     served_top1 = int(served.argmax())
-    reproduced = None if job.served_token is None else job.served_token == served_top1
-    return ShadowResult(job.request_id, served_top1 == int(exact.argmax()), kl, reproduced)
+    reproduced = None if not job.served else job.served[0] == served_top1
+    return served_top1 == int(exact.argmax()), kl, reproduced
+
+
+def check(model, job: ShadowJob) -> ShadowResult:
+    """Every check `job` calls for, on `model` (a `HybridModel`)."""
+    figures: dict = {}
+    if job.served:
+        diverged_at, gap = check_answer(model, job.tokens, job.served)
+        figures |= {"answer_length": len(job.served), "diverged_at": diverged_at, "gap": gap}
+    if job.kind == ZERO and 0 < job.start < len(job.tokens):
+        top1_agrees, kl, reproduced = check_first_token(model, job)
+        if not math.isfinite(kl):
+            return ShadowResult(job.request_id, error=f"KL {kl}")
+        figures |= {"top1_agrees": top1_agrees, "kl": kl, "reproduced": reproduced}
+    return ShadowResult(job.request_id, **figures)
 
 
 def load_shadow_model(path: str, dtype: str):
@@ -269,8 +464,6 @@ def main(argv: list[str]) -> None:
                 result = check(model, job)
             except Exception as err:
                 result = ShadowResult(job.request_id, error=f"{type(err).__name__}: {err}".splitlines()[0])
-        if not math.isfinite(result.kl):
-            result = ShadowResult(job.request_id, error=f"KL {result.kl}")
         out.write(json.dumps(asdict(result)) + "\n")
         out.flush()
 
