@@ -47,6 +47,9 @@ def test_shadow_settings_parse_and_bad_values_stop_the_engine_in_one_line():
             ConnectorConfig.parse({"shadow_ladder": bad}, "model")
     with pytest.raises(HybridKVError, match=r"^shadow_on_error 'strict': \"ignore\" or \"exact\"$"):
         ConnectorConfig.parse({"shadow_on_error": "strict"}, "model")
+    for bad in ("", 3):
+        with pytest.raises(HybridKVError, match=r"^shadow_log .*: a file path$"):
+            ConnectorConfig.parse({"shadow_log": bad}, "model")
 
 
 def test_sampling_is_a_hash_of_the_request_id_at_the_rate():
@@ -215,7 +218,7 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
         ConnectorConfig.parse({"replay_bugdet": 0.2}, "model")
     valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "replay_horizon": 64, "cache_salt": "a",
              "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3, "shadow_window": 5,
-             "shadow_ladder": ["0.4"], "shadow_on_error": "exact"}  # fmt: skip
+             "shadow_ladder": ["0.4"], "shadow_on_error": "exact", "shadow_log": "/tmp/checks.jsonl"}  # fmt: skip
     assert set(valid) == SETTINGS
     config = ConnectorConfig.parse(valid, "model")
     assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
@@ -263,3 +266,36 @@ def test_a_shadow_process_killed_mid_check_fails_its_jobs_says_so_and_the_next_j
         checker.shutdown()
     rid, result = results[-1]
     assert rid == "c" and result.error is None and result.answer_length == 1
+
+
+def test_a_runs_shadow_figures_per_kind_come_from_the_difference_of_two_readings():
+    """`shadow_figures` reads the per-kind series between two readings of `Server.metrics`: answers,
+    divergences, the mean first diverging position, and the excess over the control (full) with
+    Newcombe's interval on this run's counts alone."""
+    from hybridkv.integrations.vllm.bench import shadow_figures
+    from hybridkv.integrations.vllm.shadow import Excess
+
+    def reading(full: tuple[int, int], zero: tuple[int, int, float], first_token: tuple[int, int]) -> dict:
+        series = {
+            "vllm:hybridkv_shadow_checks_total": full[0] + zero[0],
+            "vllm:hybridkv_shadow_first_token_checks_total": first_token[0],
+            "vllm:hybridkv_shadow_top1_disagreements_total": first_token[1],
+        }
+        for kind, (n, d, *rest) in (("full", full), ("zero@0.05", zero)):
+            series[f'vllm:hybridkv_shadow_answers_total{{kind="{kind}"}}'] = n
+            series[f'vllm:hybridkv_shadow_answer_divergences_total{{kind="{kind}"}}'] = d
+            series[f'vllm:hybridkv_shadow_divergence_position_sum{{kind="{kind}"}}'] = rest[0] if rest else 0.0
+        return series
+
+    before = reading((10, 1), (5, 5, 40.0), (5, 2))  # an earlier run's counts on the same server
+    after = reading((30, 2), (25, 9, 52.0), (25, 3))
+    figures = shadow_figures(before, after)
+    assert figures["shadow_checks"] == 40 and figures["shadow_first_token_checks"] == 20
+    assert figures["shadow_disagreement_rate"] == 1 / 20
+    answers = figures["shadow_answers"]
+    assert set(answers) == {"full", "zero@0.05"}
+    assert answers["full"] == {"answers": 20, "divergences": 1, "divergence_rate": 0.05,
+                               "mean_divergence_position": 0.0, "excess": None, "excess_ci95": None}  # fmt: skip
+    zero, expected = answers["zero@0.05"], Excess.of(4, 20, 1, 20)
+    assert (zero["answers"], zero["divergences"], zero["mean_divergence_position"]) == (20, 4, 3.0)
+    assert zero["excess"] == pytest.approx(0.15) and zero["excess_ci95"] == [expected.low, expected.high]

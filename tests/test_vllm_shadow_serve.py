@@ -170,8 +170,12 @@ def test_a_killed_shadow_process_does_what_shadow_on_error_says(prompts, tmp_pat
     spec = shadowed(tmp_path / "store", save_states=False, shadow_on_error=policy)
     context, question = prompts[0]
     with Server(spec, tmp_path / "server.log") as server:
-        post(server, context, "ctx", 1, greedy=False)
-        first = post(server, context + question, "ctx")
+
+        def resume(namespace: str) -> dict:  # the context stored (not checked), then its question
+            post(server, context, namespace, 1, greedy=False)
+            return post(server, context + question, namespace)
+
+        first = resume("first")
         assert first["hybridkv"]["reused"] > 0 and not first["hybridkv"]["exact_state"]  # a zero-state resume
         settled = settle_shadow_checks([server])
         assert settled["vllm:hybridkv_shadow_checks_total"] == 1  # the shadow process is up
@@ -180,7 +184,7 @@ def test_a_killed_shadow_process_does_what_shadow_on_error_says(prompts, tmp_pat
             lambda: settle_shadow_checks([server]).get("vllm:hybridkv_shadow_unavailable") == 1,
             "the connector saw the shadow process die",
         )
-        during = post(server, context + question, "ctx")
+        during = resume("during")
         if policy == "ignore":
             assert during["hybridkv"]["reused"] == first["hybridkv"]["reused"]  # resumed as before
         else:
@@ -193,7 +197,7 @@ def test_a_killed_shadow_process_does_what_shadow_on_error_says(prompts, tmp_pat
 
         _until(checked_again, "a check made by a restarted shadow process")
         assert settle_shadow_checks([server]).get("vllm:hybridkv_shadow_unavailable") == 0
-        after = post(server, context + question, "ctx")
+        after = resume("after")
         assert after["hybridkv"]["reused"] == first["hybridkv"]["reused"]  # zero-state resumes again
         log = (tmp_path / "server.log").read_text()
     assert "shadow checks stop until the process starts again" in log

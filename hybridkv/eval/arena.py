@@ -58,6 +58,11 @@ def row_key(sample_id: str, method: str, budget) -> tuple[str, str, str]:
     return sample_id, method, str(budget)
 
 
+# A served run's shadow checks (the connector's `shadow_log`), one JSON line per checked request,
+# beside its results.jsonl
+SHADOW_CHECKS = "shadow-checks.jsonl"
+
+
 def read_rows(path: Path) -> list[dict]:
     """Rows of a results file. A last line cut short by a kill is dropped (its sample reruns); any
     other unreadable line is refused with its line number (HybridKVError), never skipped."""

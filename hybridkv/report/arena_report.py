@@ -10,6 +10,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
+from hybridkv.eval.arena import SHADOW_CHECKS
+from hybridkv.eval.jsonl import read_jsonl
 from hybridkv.eval.probe import find_probe
 from hybridkv.eval.summary import OVERALL  # noqa: E402
 from hybridkv.methods.chunked import ATTENTION, LINEAR
@@ -290,7 +292,14 @@ def shadow_table(rows: list[dict], out_dir: Path) -> list[str]:
         control = answers.get("full")  # the control group (`integrations/vllm/shadow.py`)
         control_diverged = f"{control['divergences']}/{control['answers']}" if control else "—"
         first_token_checks = figures.get("shadow_first_token_checks", figures["shadow_checks"])  # older runs
-        diverged = "; ".join(f"{f['divergences']}/{f['answers']} ({kind})" for kind, f in loaded.items()) or "—"
+        diverged = (
+            "; ".join(
+                f"{f['divergences']}/{f['answers']} ({kind}"
+                + (f", at {f['mean_divergence_position']:.1f} on average)" if f["divergences"] else ")")
+                for kind, f in loaded.items()
+            )
+            or "—"
+        )
         excess = "; ".join(
             f"{_fmt(f['excess'])} {_fmt(f['excess_ci95'])}" for f in loaded.values() if f["excess"] is not None
         )
@@ -299,6 +308,52 @@ def shadow_table(rows: list[dict], out_dir: Path) -> list[str]:
             f"{_fmt(figures['shadow_disagreement_rate'])} | {_fmt(figures['shadow_kl_mean'])} | {diverged} | "
             f"{excess or '—'} | {control_diverged} | "
             f"{_fmt(row['score'])} | {_fmt(full[row['length']])} | {_fmt(full[row['length']] - row['score'])} |"
+        )
+    return [*lines, ""]
+
+
+def shadow_prediction_table(out_dir: Path) -> list[str]:
+    """Markdown: does a served answer's shadow verdict predict that it differs from vLLM alone's?
+    Per request of each served setting (a results row whose id the shadow log names): flagged (its
+    answer left exact greedy before its end) against differs (its prediction is not the `full`
+    row's of the same sample, served by vLLM without a cache), a 2x2 table with precision and recall."""
+    path = out_dir / SHADOW_CHECKS
+    if not path.exists():
+        return []
+    checks = [c for c in read_jsonl(path, torn_tail_ok=True) if c.get("answer_length")]
+    rows = read_jsonl(out_dir / "results.jsonl", torn_tail_ok=True)
+    full = {r["id"]: r["prediction"] for r in rows if r["method"] == "full"}
+    # the engine's request id holds the one the arena sent (vLLM adds a prefix and suffixes)
+    verdicts = {}
+    for check in checks:
+        sent = check["request_id"].split("cmpl-", 1)[-1]
+        verdicts[sent[: len("arena-") + 32]] = check["diverged_at"] is not None
+    cells: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # flagged&differs, flagged, differs, neither
+    for row in rows:
+        flagged = verdicts.get(row.get("request_id"))
+        if flagged is None or row["method"] == "full" or row["id"] not in full:
+            continue
+        differs = row["prediction"] != full[row["id"]]
+        named = row["method"] if row["budget"] is None else f"{row['method']}@{_fmt(row['budget'])}"
+        for setting in (named, "all"):
+            cells[setting][0 if flagged and differs else 1 if flagged else 2 if differs else 3] += 1
+    if not cells:
+        return []
+    lines = [
+        "## Does the shadow's verdict predict a changed answer?",
+        "",
+        "Per served request: flagged = the shadow found its answer leaving exact greedy before its end; differs = "
+        "its prediction is not what vLLM without a cache answered on the same sample. Precision: of the flagged, "
+        "the share that differ; recall: of those that differ, the share flagged.",
+        "",
+        "| setting | flagged, differs | flagged, same | unflagged, differs | unflagged, same | precision | recall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting, (both, flagged_only, differs_only, neither) in sorted(cells.items(), key=lambda kv: kv[0] == "all"):
+        precision = both / (both + flagged_only) if both + flagged_only else None
+        recall = both / (both + differs_only) if both + differs_only else None
+        lines.append(
+            f"| {setting} | {both} | {flagged_only} | {differs_only} | {neither} | {_fmt(precision)} | {_fmt(recall)} |"
         )
     return [*lines, ""]
 
@@ -336,6 +391,7 @@ def write_arena_report(out_dir: Path, beside: Path | None = None) -> tuple[Path,
         *pair_tables(per_task),
         *(beside_table(rows, out_dir, beside) if beside is not None else []),
         *shadow_table(rows, out_dir),
+        *shadow_prediction_table(out_dir),
         *table_md,
         "",
     ]

@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.arena import ArenaPlan, answer_budget, read_rows, row_key, scored_row
+from hybridkv.eval.arena import SHADOW_CHECKS, ArenaPlan, answer_budget, read_rows, row_key, scored_row
 from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget
 
@@ -105,6 +105,7 @@ class Generation:
     prompt_tokens: int
     cached_tokens: int  # served by vLLM's own prefix cache
     hybridkv: dict | None  # the connector's {"matched", "reused", "exact_state"}
+    request_id: str  # the id it was sent with (the engine's id holds it: `shadow_log` lines name it)
 
 
 def generate(
@@ -112,9 +113,10 @@ def generate(
     kv_transfer_params: dict | None = None,
 ) -> Generation:  # fmt: skip
     """Greedy completion of a token-id prompt, up to `max_tokens` or a stop id."""
+    request_id = f"arena-{uuid.uuid4().hex}"
     body = {
         "model": server.spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "stop_token_ids": stop_ids, "return_token_ids": True, "cache_salt": cache_salt,
+        "stop_token_ids": stop_ids, "return_token_ids": True, "cache_salt": cache_salt, "request_id": request_id,
     }  # fmt: skip
     if kv_transfer_params:
         body["kv_transfer_params"] = kv_transfer_params
@@ -133,6 +135,7 @@ def generate(
         prompt_tokens=usage.get("prompt_tokens", len(prompt)),
         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
         hybridkv=(data.get("kv_transfer_params") or {}).get("hybridkv"),
+        request_id=request_id,
     )
 
 
@@ -210,6 +213,7 @@ def run_served_arena(
             spec = ServerSpec(
                 model, served.config, longest + 16, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
                 save_states=served.save_states, shadow_rate=checked,
+                connector_settings={"shadow_log": str((out_dir / SHADOW_CHECKS).resolve())} if checked else {},
             )  # fmt: skip
             progress.set_postfix_str(f"{served.label}: starting vllm serve")
             with Server(spec, out_dir / "logs" / f"{served.label}.log") as server:
@@ -276,6 +280,7 @@ def _row(plan, sample, name, budget, answer: Generation, context, question, laye
         "kv_bytes": None,  # the server does not report them per request
         "state_bytes": None,
         "ttft_s": answer.seconds,
+        "request_id": answer.request_id,
         "build_s": 0.0,
         "cache_model": None,
     }

@@ -62,6 +62,9 @@ class ConnectorConfig:
     # "ignore" (count it, resume as configured) or "exact" (resume from exact stored states only
     # until a check succeeds again)
     shadow_on_error: str = "ignore"
+    # `shadow_log`: a file each check's result is appended to, one JSON line per request (its id,
+    # kind, where its answer diverged); default none
+    shadow_log: str | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, model: str) -> ConnectorConfig:
@@ -87,7 +90,8 @@ class ConnectorConfig:
 # Every key `parse` reads (`max_held_mib` fills `max_held_bytes`).
 SETTINGS = frozenset(
     {"store", "replay_budget", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
-     "shadow_floor", "shadow_window", "shadow_ladder", "shadow_on_error"}
+     "shadow_floor", "shadow_window", "shadow_ladder", "shadow_on_error",
+     "shadow_log"}
 )  # fmt: skip
 
 
@@ -151,9 +155,12 @@ def _shadow(extra: Mapping[str, Any]) -> dict[str, Any]:
             raise HybridKVError(f"shadow_ladder {ladder!r}: {err}") from None
     else:
         raise HybridKVError(f'shadow_ladder {ladder!r}: a list of replay budgets (fractions or "256tok")')
+    log_path = extra.get("shadow_log")
+    if log_path is not None and (not isinstance(log_path, str) or not log_path):
+        raise HybridKVError(f"shadow_log {log_path!r}: a file path")
     return {
         "shadow_rate": float(rate), "shadow_floor": None if floor is None else float(floor),
-        "shadow_window": window, "shadow_ladder": tails, "shadow_on_error": on_error,
+        "shadow_window": window, "shadow_ladder": tails, "shadow_on_error": on_error, "shadow_log": log_path,
     }  # fmt: skip
 
 

@@ -5,11 +5,12 @@ another request is computing."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -108,6 +109,7 @@ class SchedulerSide(ConnectorSide):
         )
         self._shadow: ShadowChecker | None = None
         self._shadow_failed_seen = False  # the first failure is logged, later ones only counted
+        self._shadow_log_failed = False
         if config.shadow_rate > 0:
             self._shadow = ShadowChecker(model, dtype, self._shadow_done, on_down=self._checks_stopped)
 
@@ -441,6 +443,8 @@ class SchedulerSide(ConnectorSide):
                 log.warning("hybridkv: a shadow check failed: %s", result.error)
             self._checks_stopped(f"a shadow check failed ({result.error})")
             return
+        if self.config.shadow_log is not None:
+            self._log_check(job, result)
         with self._stats_lock:
             self._stats.record_shadow(job.label, result)
             before, recovered = guard.describe(guard.effective_rung), guard.unavailable
@@ -460,6 +464,19 @@ class SchedulerSide(ConnectorSide):
             )  # fmt: skip
         elif step < 0:
             log.warning("hybridkv: shadow checks clean over a window: stepping down to %s", guard.describe())
+
+    def _log_check(self, job: ShadowJob, result: ShadowResult) -> None:
+        """One JSON line per check in `shadow_log` (on the shadow's reading thread, one at a time)."""
+        line = {"request_id": job.request_id, "kind": job.kind, "label": job.label, "start": job.start,
+                "rung": job.rung, **{k: v for k, v in asdict(result).items() if k != "request_id"}}  # fmt: skip
+        try:
+            with open(self.config.shadow_log, "a") as sink:
+                sink.write(json.dumps(line) + "\n")
+        except OSError as err:
+            with self._stats_lock:
+                first, self._shadow_log_failed = not self._shadow_log_failed, True
+            if first:
+                log.warning("hybridkv: shadow_log %s cannot be written: %s", self.config.shadow_log, err)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         return self.request_finished_all_groups(request, (block_ids,))
