@@ -299,3 +299,40 @@ def test_a_runs_shadow_figures_per_kind_come_from_the_difference_of_two_readings
     zero, expected = answers["zero@0.05"], Excess.of(4, 20, 1, 20)
     assert (zero["answers"], zero["divergences"], zero["mean_divergence_position"]) == (20, 4, 3.0)
     assert zero["excess"] == pytest.approx(0.15) and zero["excess_ci95"] == [expected.low, expected.high]
+
+
+def test_the_arena_sets_each_served_answers_verdict_against_whether_it_changed(tmp_path):
+    """`shadow_prediction_table` joins the shadow log's lines to the served arena's rows by the id
+    the arena sent (inside the engine's), and counts flagged against differs-from-full per setting."""
+    import json
+
+    from hybridkv.report.arena_report import shadow_prediction_table
+
+    def row(sample, method, budget, prediction, request_id):
+        return {"id": sample, "method": method, "budget": budget, "prediction": prediction, "request_id": request_id}
+
+    sent = [f"arena-{i:032x}" for i in range(6)]
+    rows = [
+        row("a", "full", None, "42", "arena-full-a"), row("b", "full", None, "7", "arena-full-b"),
+        row("a", "tail-replay", 0.05, "42 and on", sent[0]),  # differs, flagged
+        row("b", "tail-replay", 0.05, "7", sent[1]),  # same, flagged (a false alarm)
+        row("a", "checkpoint", None, "42", sent[2]),  # same, not flagged
+        row("b", "checkpoint", None, "8", sent[3]),  # differs, missed
+        row("a", "tail-replay", 0.2, "42", sent[4]),  # no check logged for it: left out
+    ]  # fmt: skip
+    checks = [
+        {"request_id": f"cmpl-{sent[0]}-0-1a2b3c4d", "answer_length": 5, "diverged_at": 2},
+        {"request_id": f"cmpl-{sent[1]}-0-5e6f7a8b", "answer_length": 2, "diverged_at": 0},
+        {"request_id": f"cmpl-{sent[2]}-0-0c0d0e0f", "answer_length": 2, "diverged_at": None},
+        {"request_id": f"cmpl-{sent[3]}-0-01020304", "answer_length": 2, "diverged_at": None},
+        {"request_id": "cmpl-arena-context-0-0", "answer_length": 1, "diverged_at": None},  # a context's, no row
+        {"request_id": f"cmpl-{sent[5]}-0-0", "answer_length": 0, "diverged_at": None},  # not an answer check
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "shadow-checks.jsonl").write_text("".join(json.dumps(c) + "\n" for c in checks))
+    table = "\n".join(shadow_prediction_table(tmp_path))
+    assert "| tail-replay@0.05 | 1 | 1 | 0 | 0 | 0.5 | 1 |" in table
+    assert "| checkpoint | 0 | 0 | 1 | 1 | — | 0 |" in table
+    assert "| all | 1 | 1 | 1 | 1 | 0.5 | 0.5 |" in table
+    assert "tail-replay@0.2" not in table
+    assert shadow_prediction_table(tmp_path / "elsewhere") == []
