@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.integrations.vllm.shadow import CONTROL, EXACT, STORED, Excess, ShadowGuard, ShadowResult, wilson
+from hybridkv.eval.stats import Excess, wilson
+from hybridkv.integrations.vllm.shadow import CONTROL, EXACT, STORED, ShadowGuard, ShadowResult
 from hybridkv.methods import Budget
 
 ZERO_KIND = "zero"

@@ -272,8 +272,8 @@ def test_a_runs_shadow_figures_per_kind_come_from_the_difference_of_two_readings
     """`shadow_figures` reads the per-kind series between two readings of `Server.metrics`: answers,
     divergences, the mean first diverging position, and the excess over the control (full) with
     Newcombe's interval on this run's counts alone."""
+    from hybridkv.eval.stats import Excess
     from hybridkv.integrations.vllm.bench import shadow_figures
-    from hybridkv.integrations.vllm.shadow import Excess
 
     def reading(full: tuple[int, int], zero: tuple[int, int, float], first_token: tuple[int, int]) -> dict:
         series = {
@@ -303,15 +303,21 @@ def test_a_runs_shadow_figures_per_kind_come_from_the_difference_of_two_readings
 
 def test_the_arena_sets_each_served_answers_verdict_against_whether_it_changed(tmp_path):
     """`shadow_prediction_table` joins the shadow log's lines to the served arena's rows by the id
-    the arena sent (inside the engine's), and counts flagged against differs-from-full per setting."""
+    the arena sent (inside the engine's): per setting and kind, the answers that diverged and their
+    excess over the run's full-prefill answers; and flagged against differs-from-full per setting."""
     import json
 
+    from hybridkv.eval.stats import Excess
     from hybridkv.report.arena_report import shadow_prediction_table
 
     def row(sample, method, budget, prediction, request_id):
         return {"id": sample, "method": method, "budget": budget, "prediction": prediction, "request_id": request_id}
 
-    sent = [f"arena-{i:032x}" for i in range(6)]
+    def check(i, kind, label, diverged_at, length=2):
+        return {"request_id": f"cmpl-{sent[i]}-0-1a2b3c4d", "kind": kind, "label": label, "answer_length": length,
+                "diverged_at": diverged_at}  # fmt: skip
+
+    sent = [f"arena-{i:032x}" for i in range(8)]
     rows = [
         row("a", "full", None, "42", "arena-full-a"), row("b", "full", None, "7", "arena-full-b"),
         row("a", "tail-replay", 0.05, "42 and on", sent[0]),  # differs, flagged
@@ -319,20 +325,27 @@ def test_the_arena_sets_each_served_answers_verdict_against_whether_it_changed(t
         row("a", "checkpoint", None, "42", sent[2]),  # same, not flagged
         row("b", "checkpoint", None, "8", sent[3]),  # differs, missed
         row("a", "tail-replay", 0.2, "42", sent[4]),  # no check logged for it: left out
+        row("a", "tail-replay", 1.0, "42", sent[6]),  # recomputed in full: the control, clean
+        row("b", "tail-replay", 1.0, "7", sent[7]),  # the control, diverged (the engine's own noise)
     ]  # fmt: skip
     checks = [
-        {"request_id": f"cmpl-{sent[0]}-0-1a2b3c4d", "answer_length": 5, "diverged_at": 2},
-        {"request_id": f"cmpl-{sent[1]}-0-5e6f7a8b", "answer_length": 2, "diverged_at": 0},
-        {"request_id": f"cmpl-{sent[2]}-0-0c0d0e0f", "answer_length": 2, "diverged_at": None},
-        {"request_id": f"cmpl-{sent[3]}-0-01020304", "answer_length": 2, "diverged_at": None},
-        {"request_id": "cmpl-arena-context-0-0", "answer_length": 1, "diverged_at": None},  # a context's, no row
-        {"request_id": f"cmpl-{sent[5]}-0-0", "answer_length": 0, "diverged_at": None},  # not an answer check
-    ]
+        check(0, "zero", "zero@0.05", 4), check(1, "zero", "zero@0.05", 0),
+        check(2, "exact", "exact", None), check(3, "exact", "exact", None),
+        check(6, "full", "full", None), check(7, "full", "full", 1),
+        {"request_id": "cmpl-arena-context-0-0", "kind": "full", "label": "full", "answer_length": 1,
+         "diverged_at": 3},  # a context's first request: no row, not in the control
+        check(5, "full", "full", None, length=0),  # not an answer check
+    ]  # fmt: skip
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "shadow-checks.jsonl").write_text("".join(json.dumps(c) + "\n" for c in checks))
     table = "\n".join(shadow_prediction_table(tmp_path))
+    assert "(1/2 diverged" in table  # the control: the rows computed by full prefill
+    excess = Excess.of(2, 2, 1, 2)
+    assert f"| tail-replay@0.05 | zero@0.05 | 2 | 2 | 2 | 0.5 [{excess.low:.3g}, {excess.high:.3g}] |" in table
+    assert "| checkpoint | exact | 2 | 0 | — | -0.5 [" in table
+    assert "| tail-replay@1 | full | 2 | 1 | 1 | — |" in table
     assert "| tail-replay@0.05 | 1 | 1 | 0 | 0 | 0.5 | 1 |" in table
     assert "| checkpoint | 0 | 0 | 1 | 1 | — | 0 |" in table
-    assert "| all | 1 | 1 | 1 | 1 | 0.5 | 0.5 |" in table
+    assert "| all | 1 | 2 | 1 | 2 | 0.333 | 0.5 |" in table
     assert "tail-replay@0.2" not in table
     assert shadow_prediction_table(tmp_path / "elsewhere") == []

@@ -1,4 +1,5 @@
-"""Retention, gap recovered (PGR), paired bootstrap CIs and the sign test (definitions: docs/arena.md).
+"""Retention, gap recovered (PGR), paired bootstrap CIs, the sign test (definitions: docs/arena.md), and
+the score interval of one rate's excess over another (the shadow checks' divergence over their control).
 
 All resampling is paired: one draw of sample indices is applied to every array, so each
 resample compares the methods on the same samples. Deterministic for a given seed.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -133,3 +135,41 @@ def sign_test(a: Sequence[float], b: Sequence[float], tol: float = 0.0) -> dict:
         tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1))
         p_value = min(1.0, 2 * tail / 2**n)  # exact integers, one correctly rounded division
     return {"wins": wins, "losses": losses, "ties": ties, "n": n, "p_value": p_value}
+
+
+# == one rate's excess over another's: the shadow checks' divergence over their control group =====
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for a binomial proportion (sensible at 0 and n successes)."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Excess:
+    """A kind's divergence rate minus the control group's, with Newcombe's 95% interval (the hybrid
+    score interval for a difference of two independent proportions: Wilson's on each, combined)."""
+
+    rate: float
+    control_rate: float
+    excess: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, diverged: int, checks: int, control_diverged: int, control_checks: int) -> Excess | None:
+        """None where either side has no checks."""
+        if checks <= 0 or control_checks <= 0:
+            return None
+        p1, p2 = diverged / checks, control_diverged / control_checks
+        l1, u1 = wilson(diverged, checks)
+        l2, u2 = wilson(control_diverged, control_checks)
+        d = p1 - p2
+        return cls(
+            p1, p2, d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+        )

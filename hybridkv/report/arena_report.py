@@ -13,6 +13,7 @@ from matplotlib.figure import Figure  # files only: no pyplot, no backend to cho
 from hybridkv.eval.arena import SHADOW_CHECKS
 from hybridkv.eval.jsonl import read_jsonl
 from hybridkv.eval.probe import find_probe
+from hybridkv.eval.stats import Excess
 from hybridkv.eval.summary import OVERALL  # noqa: E402
 from hybridkv.methods.chunked import ATTENTION, LINEAR
 from hybridkv.report.probe_report import probe_paragraph
@@ -313,33 +314,60 @@ def shadow_table(rows: list[dict], out_dir: Path) -> list[str]:
 
 
 def shadow_prediction_table(out_dir: Path) -> list[str]:
-    """Markdown: does a served answer's shadow verdict predict that it differs from vLLM alone's?
-    Per request of each served setting (a results row whose id the shadow log names): flagged (its
-    answer left exact greedy before its end) against differs (its prediction is not the `full`
-    row's of the same sample, served by vLLM without a cache), a 2x2 table with precision and recall."""
+    """Markdown from the served run's shadow log joined to its rows (by the id the arena sent, which
+    the engine's id holds): per setting and kind of resume, the answers that left exact greedy before
+    their end, where, and the excess over the control (the run's answers computed by full prefill,
+    pooled over its settings: the same prompts, answered the same way, so the same engine noise);
+    then whether a verdict predicts a changed answer: flagged against differs (the prediction is not
+    the `full` row's of the same sample, served by vLLM without a cache), with precision and recall."""
     path = out_dir / SHADOW_CHECKS
     if not path.exists():
         return []
-    checks = [c for c in read_jsonl(path, torn_tail_ok=True) if c.get("answer_length")]
+    verdicts = {}
+    for check in read_jsonl(path, torn_tail_ok=True):
+        if check.get("answer_length"):
+            sent = check["request_id"].split("cmpl-", 1)[-1]
+            verdicts[sent[: len("arena-") + 32]] = check
     rows = read_jsonl(out_dir / "results.jsonl", torn_tail_ok=True)
     full = {r["id"]: r["prediction"] for r in rows if r["method"] == "full"}
-    # the engine's request id holds the one the arena sent (vLLM adds a prefix and suffixes)
-    verdicts = {}
-    for check in checks:
-        sent = check["request_id"].split("cmpl-", 1)[-1]
-        verdicts[sent[: len("arena-") + 32]] = check["diverged_at"] is not None
-    cells: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # flagged&differs, flagged, differs, neither
-    for row in rows:
-        flagged = verdicts.get(row.get("request_id"))
-        if flagged is None or row["method"] == "full" or row["id"] not in full:
-            continue
-        differs = row["prediction"] != full[row["id"]]
-        named = row["method"] if row["budget"] is None else f"{row['method']}@{_fmt(row['budget'])}"
-        for setting in (named, "all"):
-            cells[setting][0 if flagged and differs else 1 if flagged else 2 if differs else 3] += 1
-    if not cells:
+    checked = [(row, verdicts[row["request_id"]]) for row in rows if row.get("request_id") in verdicts]
+    if not checked:
         return []
+
+    def named(row: dict) -> str:
+        return row["method"] if row["budget"] is None else f"{row['method']}@{_fmt(row['budget'])}"
+
+    control = [check["diverged_at"] is not None for _, check in checked if check["kind"] == "full"]
+    answers: dict[tuple[str, str], list[int | None]] = defaultdict(list)  # -> diverged_at per answer
+    cells: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # flagged&differs, flagged, differs, neither
+    for row, check in checked:
+        answers[(named(row), check["label"])].append(check["diverged_at"])
+        if row["method"] == "full" or row["id"] not in full:
+            continue
+        flagged, differs = check["diverged_at"] is not None, row["prediction"] != full[row["id"]]
+        for setting in (named(row), "all"):
+            cells[setting][0 if flagged and differs else 1 if flagged else 2 if differs else 3] += 1
     lines = [
+        "## Served answers against exact greedy, per setting and kind of resume",
+        "",
+        f"Each answer teacher-forced through exact full prefill in the shadow; diverged: a served token that is not "
+        f"the exact argmax before the answer's end, at the mean first such position. Excess: over the run's answers "
+        f"computed by full prefill ({sum(control)}/{len(control)} diverged: the engine's own distance from "
+        f"transformers), with its 95% interval.",
+        "",
+        "| setting | kind | answers | diverged | mean position | excess over full [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (setting, kind), positions in answers.items():
+        diverged = [p for p in positions if p is not None]
+        excess = Excess.of(len(diverged), len(positions), sum(control), len(control)) if kind != "full" else None
+        lines.append(
+            f"| {setting} | {kind} | {len(positions)} | {len(diverged)} | "
+            f"{_fmt(sum(diverged) / len(diverged)) if diverged else '—'} | "
+            f"{'—' if excess is None else f'{_fmt(excess.excess)} [{_fmt(excess.low)}, {_fmt(excess.high)}]'} |"
+        )
+    lines += [
+        "",
         "## Does the shadow's verdict predict a changed answer?",
         "",
         "Per served request: flagged = the shadow found its answer leaving exact greedy before its end; differs = "

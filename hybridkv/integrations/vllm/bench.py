@@ -309,7 +309,8 @@ def shadow_figures(before: dict[str, float], after: dict[str, float]) -> dict:
     requests); and per kind of request (`shadow.py`), the served answers checked, how many diverged
     from exact greedy, the mean first diverging position, and the excess divergence rate over the
     full prefills' (the control) with its 95% interval."""
-    from hybridkv.integrations.vllm.shadow import CONTROL, Excess
+    from hybridkv.eval.stats import Excess
+    from hybridkv.integrations.vllm.shadow import CONTROL
 
     def grew(name: str) -> float:
         return after.get(f"vllm:hybridkv_{name}", 0.0) - before.get(f"vllm:hybridkv_{name}", 0.0)

@@ -15,7 +15,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from hybridkv.integrations.vllm.shadow import CONTROL, Excess
+from hybridkv.eval.stats import Excess
+from hybridkv.integrations.vllm.shadow import CONTROL
 
 COUNTERS = {
     "lookups": "Requests the connector looked up in its store.",

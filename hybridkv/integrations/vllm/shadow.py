@@ -122,44 +122,6 @@ def sampled(request_id: str, rate: float) -> bool:
     return draw < rate
 
 
-# == the arithmetic of a divergence rate against the control group's ================================
-
-
-def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson's score interval for a binomial proportion (sensible at 0 and n successes)."""
-    if trials <= 0:
-        return 0.0, 1.0
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-@dataclass(frozen=True)
-class Excess:
-    """A kind's divergence rate minus the control group's, with Newcombe's 95% interval (the hybrid
-    score interval for a difference of two independent proportions: Wilson's on each, combined)."""
-
-    rate: float
-    control_rate: float
-    excess: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, diverged: int, checks: int, control_diverged: int, control_checks: int) -> Excess | None:
-        """None where either side has no checks."""
-        if checks <= 0 or control_checks <= 0:
-            return None
-        p1, p2 = diverged / checks, control_diverged / control_checks
-        l1, u1 = wilson(diverged, checks)
-        l2, u2 = wilson(control_diverged, control_checks)
-        d = p1 - p2
-        return cls(
-            p1, p2, d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
-        )
-
-
 # == the guard: a window, a ladder, a policy for when checks stop =====================================
 
 
