@@ -169,7 +169,9 @@ def run_served_arena(
     requests: each served answer against exact full prefill, per kind (the context's own first
     request, a full prefill, gives the control group), and a zero-state resume's first token against
     the exact one. Each (method, budget) is served in turn and its checks' figures go to
-    out_dir/shadow.json, to set beside the score that budget lost."""
+    out_dir/shadow.json, to set beside the score that budget lost; every check, by request, to
+    out_dir/shadow-checks.jsonl (the connector's `shadow_log`). Each answer waits for the checks
+    before it to finish, so none is dropped and none runs beside a measured request."""
     import httpx
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,6 +239,8 @@ def run_served_arena(
                             generate(client, server, context, 1, eos_ids, salt, params)
                             served_contexts.add(salt)
                     answer = generate(client, server, prompt, new_tokens, eos_ids, salt, params)
+                    if checked:  # every check made before the next request: none dropped, none beside it
+                        settle_shadow_checks([server])
                     row = _row(plan, sample, name, budget, answer, context, question, layers, tokenizer, score)
                     sink.write(json.dumps(row, sort_keys=True) + "\n")
                     sink.flush()
