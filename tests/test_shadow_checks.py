@@ -41,8 +41,8 @@ def answered(models):
 
 def test_a_served_answer_equal_to_exact_greedy_passes(answered):
     model, prompt, answer = answered
-    assert check_answer(model, prompt, answer) == (None, None)
-    assert check_answer(model, prompt, answer[:1]) == (None, None)  # a one-token answer too
+    assert check_answer(model, prompt, answer) == (None, None, 0)
+    assert check_answer(model, prompt, answer[:1]) == (None, None, 0)  # a one-token answer too
 
 
 def test_a_wrong_token_is_found_where_it_is_with_its_gap(answered):
@@ -50,8 +50,8 @@ def test_a_wrong_token_is_found_where_it_is_with_its_gap(answered):
     for at in (0, 3, len(answer) - 2):
         wrong = (answer[at] + 1) % model.config.vocab_size
         served = answer[:at] + [wrong] + answer[at + 1 :]
-        diverged_at, gap = check_answer(model, prompt, served)
-        assert diverged_at == at
+        diverged_at, gap, mismatches = check_answer(model, prompt, served)
+        assert diverged_at == at and mismatches >= 1
         # the gap is log p(exact argmax) - log p(served) at that position, from the exact prefix
         logits = model.forward(torch.tensor(prompt + answer[:at]), model.new_cache(), 0, 1)[-1].double()
         log_p = logits.log_softmax(-1)

@@ -98,6 +98,7 @@ class ShadowResult:
     answer_length: int = 0
     diverged_at: int | None = None  # the first answer position whose served token is not the exact argmax
     gap: float | None = None  # log p(exact argmax) - log p(served token) there, in nats
+    mismatches: int = 0  # answer positions whose served token is not the exact argmax (given the served prefix)
     # the served recipe's first token (zero-state kinds; None elsewhere)
     top1_agrees: bool | None = None  # the served recipe's argmax is the exact one's
     kl: float | None = None  # KL(exact ‖ served recipe) over the whole vocabulary, in nats
@@ -329,9 +330,10 @@ class ShadowChecker:
 # == the shadow process ===========================================================================
 
 
-def check_answer(model, prompt: list[int], served: list[int]) -> tuple[int | None, float | None]:
+def check_answer(model, prompt: list[int], served: list[int]) -> tuple[int | None, float | None, int]:
     """Teacher-force `served` after `prompt` through one exact prefill of `model` (a `HybridModel`):
-    the first answer position whose served token is not the argmax, and the log-prob gap there."""
+    the first answer position whose served token is not the argmax, the log-prob gap there, and how
+    many positions' served tokens are not the argmax."""
     import torch
 
     ids = torch.tensor(prompt + served[:-1], dtype=torch.long)
@@ -342,9 +344,9 @@ def check_answer(model, prompt: list[int], served: list[int]) -> tuple[int | Non
     best = log_p.max(-1).values
     below = (served_log_p < best).nonzero()  # a tie with the argmax agrees
     if not len(below):
-        return None, None
+        return None, None, 0
     at = int(below[0])
-    return at, float(best[at] - served_log_p[at])
+    return at, float(best[at] - served_log_p[at]), len(below)
 
 
 def check_first_token(model, job: ShadowJob) -> tuple[bool, float, bool | None]:
@@ -374,8 +376,8 @@ def check(model, job: ShadowJob) -> ShadowResult:
     """Every check `job` calls for, on `model` (a `HybridModel`)."""
     figures: dict = {}
     if job.served:
-        diverged_at, gap = check_answer(model, job.tokens, job.served)
-        figures |= {"answer_length": len(job.served), "diverged_at": diverged_at, "gap": gap}
+        diverged_at, gap, mismatches = check_answer(model, job.tokens, job.served)
+        figures |= {"answer_length": len(job.served), "diverged_at": diverged_at, "gap": gap, "mismatches": mismatches}
     if job.kind == ZERO and 0 < job.start < len(job.tokens):
         top1_agrees, kl, reproduced = check_first_token(model, job)
         if not math.isfinite(kl):
