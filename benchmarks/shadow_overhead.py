@@ -3,13 +3,15 @@
 Two `vllm serve` configurations of one model, HybridKVConnector at budget 0.05 with `shadow_rate`
 0 and with `shadow_rate` R, are started in turn, alternating, REPEATS times each; each answers the
 same vllm-bench sessions (the workload at CLIENTS concurrent clients, each server in a store
-namespace of its own, so every run sees the same hits). Per run: the TTFT p50 and mean over its
-requests, and the checks the shadow made (counted once they are all done, after the run). The
+namespace of its own, so every run sees the same hits). The shadow process is started (and its
+model loaded) before the measurement, as on a server that has been up a while. Per run: the TTFT
+p50 and mean over its requests, and the checks the shadow made for them (counted once they are all
+done, after the run). The
 result is the median over repeats of the per-repeat ratio p50(on) / p50(off), written as JSON and
 markdown to OUT.
 
     .venv/bin/python benchmarks/shadow_overhead.py --out results/vllm-shadow-overhead [--rate 0.1] \
-        [--clients 4] [--repeats 3] [--workload shared-system] [--requests 24]
+        [--clients 4] [--repeats 5] [--workload shared-system] [--requests 48]
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ from hybridkv.integrations.vllm.workloads import Shape, make_sessions
 from hybridkv.models.tiny import WEIGHTS_DIR
 
 
+def _warm_shadow(server: Server, plan: BenchPlan) -> None:
+    """Send greedy misses until one was sampled and checked: the shadow process is then up."""
+    for _ in range(200):
+        _run([server.url], [[[5] * 48 + [int(uuid.uuid4().int % 400) + 3] * 16]], 1, plan)
+        if settle_shadow_checks([server]).get("vllm:hybridkv_shadow_checks_total", 0):
+            return
+    raise RuntimeError("no shadow check was made in 200 requests")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(WEIGHTS_DIR / "tiny-qwen3-next-vllm"))
     parser.add_argument("--rate", type=float, default=0.1)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workload", default="shared-system")
-    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-prefix", type=int, default=4096)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -54,9 +65,13 @@ def main() -> None:
             )  # fmt: skip
             with Server(spec, args.out / "logs" / f"rate-{rate}-{repeat}.log") as server:
                 _run([server.url], [[[5] * 64]], 1, plan)  # start-up costs, outside the measurement
+                if rate:  # and the shadow's: its process starts, and loads the model, with its first job
+                    _warm_shadow(server, plan)
+                before = settle_shadow_checks([server]) if rate else {}
                 replies, wall = _run([server.url], sessions, args.clients, plan)
                 ttfts = [r.ttft_s for _, _, r in _flat(replies)]
-                checks = settle_shadow_checks([server]) if rate else {}
+                after = settle_shadow_checks([server]) if rate else {}
+                checks = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             runs.append({
                 "repeat": repeat, "shadow_rate": rate, "requests": len(ttfts), "wall_s": wall,
                 "ttft_p50_s": _percentile(ttfts, 50), "ttft_mean_s": statistics.mean(ttfts),

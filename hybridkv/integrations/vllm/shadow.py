@@ -33,10 +33,11 @@ never uses a stored state: it recomputes. A check costs one forward of prompt + 
 zero-state resume a prefill of the prompt split at s, twice from s): about the request's own prefill.
 
 The shadow runs in a child process (`python -m hybridkv.integrations.vllm.shadow MODEL DTYPE`),
-on one thread and at a lower priority: `torch.set_num_threads` is process-wide and would slow an
-engine sharing the process, and the child's work never delays a served answer (it starts once
-the request has finished). Jobs and results cross as JSON lines on its stdin and stdout. A process
-that dies is started again with the next job, at most once per `RESTART_AFTER_S`.
+on one thread, in Linux's idle scheduling class, on any core: `torch.set_num_threads` is
+process-wide and would slow an engine sharing the process, and the child's work never delays a
+served answer (it starts once the request has finished, and takes only CPU time the engine
+leaves). Jobs and results cross as JSON lines on its stdin and stdout. A process that dies is
+started again with the next job, at most once per `RESTART_AFTER_S`.
 
 `ShadowGuard` turns the results into action: the excess of the loaded kinds' answer-divergence rate
 over the control group's, over a window of recent checks, steps the connector's resumes up a ladder
@@ -404,11 +405,23 @@ def load_shadow_model(path: str, dtype: str):
     return load_model(path, dtype=torch.float32)
 
 
+def _yield_to_the_engine() -> None:
+    """Run only on CPU time the engine leaves: Linux's idle scheduling class (a lower nice value
+    elsewhere), on any core. The process inherits the engine process's core binding (vLLM's CPU
+    backend pins its threads), where even a nice 10 process takes a tenth of the engine's core."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(19)
+
+
 def main(argv: list[str]) -> None:
     """The shadow process: one job per line on stdin, one result per line on stdout."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    with contextlib.suppress(OSError):
-        os.nice(10)  # the engine first
+    _yield_to_the_engine()
     import torch
 
     torch.set_num_threads(1)
