@@ -601,7 +601,14 @@ def _arena(args: argparse.Namespace) -> None:
         raise HybridKVError(f"unknown {args.workload} task(s) {', '.join(unknown)}; known: {', '.join(workload.tasks)}")
     from hybridkv.eval.kva import check_resume, record_run  # OUT/run.json: the run's options, for resuming and export
 
-    run_options = dict(model=args.model, cache_model=args.cache_model, dtype=args.dtype, seed=args.seed,
+    dtype = args.dtype  # what the answers were computed in, for run.json
+    if served:
+        from hybridkv.integrations.vllm.serve import SERVED_DTYPE
+
+        if args.dtype != "float32":  # the harness's --dtype, at its default
+            raise HybridKVError(f"--dtype {args.dtype}: vllm serve runs the model in {SERVED_DTYPE} here; leave it out")
+        dtype = SERVED_DTYPE
+    run_options = dict(model=args.model, cache_model=args.cache_model, dtype=dtype, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, workload=args.workload, tasks=tasks, lengths=args.lengths,
                        samples=args.samples, data=args.data, engine=args.engine)  # fmt: skip
     check_resume(args.out, **run_options)  # before the frozen samples are trusted or a model is loaded

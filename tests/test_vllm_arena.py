@@ -61,6 +61,8 @@ def test_served_answers_from_exact_pages_equal_vllm_alones(needles, tmp_path):
         assert (replay["matched_tokens"], replay["reused_tokens"], replay["replayed_tokens"]) == (context, 0, context)
         assert (checkpoint["matched_tokens"], checkpoint["reused_tokens"]) == (context, context)
         assert checkpoint["exact_state"] is True and checkpoint["replayed_tokens"] == 0
+        for row in (full, replay, checkpoint):  # the engine's first token, apart from the whole answer
+            assert 0 < row["ttft_s"] < row["latency_s"]
 
 
 def test_questions_on_one_shared_context_hit_its_one_served_request_and_resume_exactly(monkeypatch, tmp_path):
@@ -366,6 +368,7 @@ def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(t
         (["--engine", "vllm", "--model", str(MODEL), "--methods", "full,zero-state"], "runs only in the harness"),
         (["--engine", "vllm", "--model", str(MODEL), "--shadow-rate", "1.5"], "a share of requests"),
         (["--shadow-rate", "0.5"], "give --engine vllm"),
+        (["--engine", "vllm", "--model", str(MODEL), "--dtype", "float16"], "vllm serve runs the model in bfloat16"),
     ],
 )
 def test_a_served_arena_it_cannot_run_is_refused_in_one_line_before_any_work(argv, says, tmp_path, capsys):

@@ -28,9 +28,9 @@ context's end is an exact checkpoint, so `checkpoint` replays nothing at any bud
 
 A row's costs are what the server says: `reused_tokens` (the connector's reused tokens, or the
 prefix cache's `cached_tokens`), `replayed_tokens` (matched but recomputed: the connector's tail),
-`recomputed_tokens` (prompt tokens the engine computed). `ttft_s` is the answering request's
-whole latency here (generation included), since one non-streaming request returns the answer and
-the server's reuse counts together; vllm-bench times first tokens.
+`recomputed_tokens` (prompt tokens the engine computed). `ttft_s` is the engine's time to the
+answer's first token (vLLM's per-request metrics, `--enable-per-request-metrics`), `latency_s` the
+whole request as the client saw it: an answer that runs on costs latency, not time to first token.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class Generation:
     """One answered request: the generated token ids and what the server said about the prompt."""
 
     tokens: list[int]
-    seconds: float
+    seconds: float  # the whole request, generation included, as the client saw it
+    ttft_s: float | None  # the engine's time to its first token (its per-request metrics), queueing included
     prompt_tokens: int
     cached_tokens: int  # served by vLLM's own prefix cache
     hybridkv: dict | None  # the connector's {"matched", "reused", "exact_state"}
@@ -129,9 +130,11 @@ def generate(
     choice = data["choices"][0]
     tokens = [t for t in (choice.get("token_ids") or []) if t not in stop_ids]
     usage = data.get("usage") or {}
+    ttft_ms = (data.get("metrics") or {}).get("time_to_first_token_ms")
     return Generation(
         tokens=tokens,
         seconds=seconds,
+        ttft_s=None if ttft_ms is None else ttft_ms / 1000.0,
         prompt_tokens=usage.get("prompt_tokens", len(prompt)),
         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
         hybridkv=(data.get("kv_transfer_params") or {}).get("hybridkv"),
@@ -283,7 +286,8 @@ def _row(plan, sample, name, budget, answer: Generation, context, question, laye
         "exact_state": answer.hybridkv.get("exact_state") if answer.hybridkv else None,
         "kv_bytes": None,  # the server does not report them per request
         "state_bytes": None,
-        "ttft_s": answer.seconds,
+        "ttft_s": answer.ttft_s,  # the first token only: a long answer does not make a resume look slow
+        "latency_s": answer.seconds,
         "request_id": answer.request_id,
         "build_s": 0.0,
         "cache_model": None,

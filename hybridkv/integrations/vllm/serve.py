@@ -47,6 +47,10 @@ def free_port() -> int:
             return port
 
 
+# Every server's weights and activations (its linear states: float32, `--mamba-ssm-cache-dtype`).
+SERVED_DTYPE = "bfloat16"
+
+
 @dataclass
 class ServerSpec:
     """One `vllm serve` configuration: vLLM alone, vLLM's own (hybrid, `align` mode) prefix cache,
@@ -75,11 +79,13 @@ class ServerSpec:
             raise HybridKVError(f"unknown server config {self.config!r}: one of {', '.join(SERVER_CONFIGS)}")
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", SERVED_DTYPE,
             "--enforce-eager", "--seed", str(self.seed), "--max-model-len", str(self.max_model_len),
             # One prefill per prompt (unless asked): chunked prefill would split them differently.
             "--max-num-batched-tokens", str(self.prefill_chunk or self.max_model_len),
             "--max-logprobs", str(self.top_logprobs), "--enable-prompt-tokens-details",
+            # the engine's own time to first token in each response, apart from generation
+            "--enable-per-request-metrics",
             # vLLM's CPU build keeps linear states in float32 on CPUs with AVX512-BF16 and in bf16
             # elsewhere when left on auto; that moves the block grid, so fix it (models.py).
             "--mamba-ssm-cache-dtype", "float32",
