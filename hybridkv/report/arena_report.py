@@ -321,8 +321,8 @@ def shadow_prediction_table(out_dir: Path) -> list[str]:
     verdicts = {}
     for check in read_jsonl(path, torn_tail_ok=True):
         if check.get("answer_length"):
-            sent = check["request_id"].split("cmpl-", 1)[-1]
-            verdicts[sent[: len("arena-") + 32]] = check
+            # vLLM's engine id: "cmpl-" + the id sent + "-<prompt index>-<random suffix>"
+            verdicts[check["request_id"].removeprefix("cmpl-").rsplit("-", 2)[0]] = check
     rows = read_jsonl(out_dir / "results.jsonl", torn_tail_ok=True)
     full = {r["id"]: r["prediction"] for r in rows if r["method"] == "full"}
     checked = [(row, verdicts[row["request_id"]]) for row in rows if row.get("request_id") in verdicts]

@@ -241,7 +241,10 @@ class ShadowChecker:
     def dead(self) -> bool:
         """The shadow process is gone and too recently to start again: a job now would fail."""
         with self._lock:
-            return self._died_at is not None and time.monotonic() - self._died_at < RESTART_AFTER_S
+            return self._restart_too_soon()
+
+    def _restart_too_soon(self) -> bool:  # under the lock
+        return self._died_at is not None and time.monotonic() - self._died_at < RESTART_AFTER_S
 
     @property
     def pending(self) -> int:
@@ -260,7 +263,7 @@ class ShadowChecker:
             if self._closing or len(self._pending) >= self.capacity or job.request_id in self._pending:
                 return False
             if self._jobs is None:  # not started, or died: start one
-                if self._died_at is not None and time.monotonic() - self._died_at < RESTART_AFTER_S:
+                if self._restart_too_soon():
                     return False
                 jobs = self._jobs = queue.Queue()
                 threading.Thread(target=self._run, args=(jobs,), name="hybridkv-shadow-feed", daemon=True).start()
