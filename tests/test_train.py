@@ -12,7 +12,7 @@ import torch
 from transformers.models.glm5_next import modeling_glm5_next
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.workloads import agent_reports, rag, ruler
+from hybridkv.eval.workloads import agent_reports, rag, ruler, updates
 from hybridkv.models import load_model
 from hybridkv.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from hybridkv.train import data
@@ -177,6 +177,9 @@ def test_no_arena_needle_key_or_answer_occurs_in_the_training_stream():
     ]:
         probes |= {line.split("\n")[0].split(" on ")[-1].removeprefix("Passage: ") for line in sample.chunks[1:]}
         probes |= set(sample.golds)
+    # updates: its records' keys and settings (the training stream's `updates` task draws its own)
+    for sample in updates.generate("updates", 1024, 8, tokenizer, seed=0):
+        probes |= {part for setting in sample.meta["settings"] for part in (setting["key"], setting["text"])}
     assert len(probes) > 150
     everything = data.task_table(tuple(f"{name}:1" for name in data.TASKS))
     stream = "\n".join(

@@ -35,7 +35,8 @@ class ArenaPlan:
             "help": "ruler (generated), longbench (needs --data), prefix (shared documents, diverging questions), "
             "multi-turn (each turn extends the last), rag (retrieved passages, each cached alone), "
             "agent-reports (sub-agents' reports, each cached alone; the answer needs two), "
-            "kvsharearena (KVShareArena's frozen querysets, one cache per declared chunk; needs --data)"
+            "kvsharearena (KVShareArena's frozen querysets, one cache per declared chunk; needs --data), "
+            "updates (records set again later, the latest asked: order known only through the linear states)"
         },
     )
     methods: list[str] = field(
@@ -105,8 +106,18 @@ def scored_row(workload: str, sample, method: str, budget: Budget | None, predic
         "prediction": prediction,
         "golds": sample.golds,
         "score": score(sample.task, prediction, sample.golds, sample.meta),
-        "score_meta": {k: sample.meta[k] for k in ("all_classes",) if sample.meta.get(k)},
+        "score_meta": {k: sample.meta[k] for k in ("all_classes", "stale") if sample.meta.get(k)},
     }
+
+
+def needle_distance(sample, tokenizer) -> int | None:
+    """Tokens from where the answer's source starts (`meta["answer_offset"]`, a character offset into
+    the context: `updates`' latest setting) to the context's end, for a one-piece context; None when
+    the workload marks no such place. A tail replay holds the source when it is at most its length."""
+    offset = sample.meta.get("answer_offset")
+    if offset is None or sample.chunks:
+        return None
+    return len(tokenizer.encode(sample.context)) - len(tokenizer.encode(sample.context[:offset]))
 
 
 def run_arena(
@@ -167,6 +178,7 @@ def run_arena(
                 "question_tokens": len(question),
                 "reused_tokens": answer.reused_tokens,
                 "replayed_tokens": answer.replayed_tokens,
+                "needle_distance": needle_distance(sample, tokenizer),
                 "recomputed_tokens": answer.recomputed_tokens,
                 "recomputed_layer_tokens": answer.recomputed_layer_tokens,
                 "dense_layer_tokens": (len(context) + len(question)) * model.description.num_layers,

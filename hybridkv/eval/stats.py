@@ -97,6 +97,26 @@ def paired_bootstrap_pgr_ci(
     return _percentile_ci((method[defined] - floor[defined]) / gap[defined], alpha)
 
 
+def paired_bootstrap_retention_ci(
+    method_scores: Sequence[float],
+    full_scores: Sequence[float],
+    n_resamples: int = 2000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> tuple[float, float] | None:
+    """Percentile (1 − alpha) CI of the retention of the means, mean(method) / mean(full), over paired
+    resamples; resamples where full prefill scores 0 have no retention and are left out. None when
+    the retention of the full-sample means is undefined or most resamples have none."""
+    data = _paired(method_scores, full_scores)
+    if retention(*map(float, data.mean(axis=1))) is None:
+        return None
+    method, full = _resampled_means(data, n_resamples, seed)
+    defined = full > 0
+    if defined.mean() < 0.5:
+        return None
+    return _percentile_ci(method[defined] / full[defined], alpha)
+
+
 def paired_bootstrap_diff_ci(
     a: Sequence[float],
     b: Sequence[float],

@@ -1,8 +1,9 @@
 """`hybridkv arena score`: summary.json rebuilt from results.jsonl (scores recomputed from predictions).
 
 For each (workload, task, length, method, budget): n, mean score, retention against full
-prefill, and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
-full-prefill oracle on the same samples — with a paired bootstrap 95% CI, how far into full
+prefill and PGR — (method − floor) / (oracle − floor) with the no-context floor and the
+full-prefill oracle on the same samples — each with a paired bootstrap 95% CI; where the workload
+marks the answer's source (`updates`), the needle-in-tail split of a replaying method; how far into full
 prefill's answer each method agrees with it (`agreement_with_full`), the share of answers equal
 to full prefill's to the last token (`same_as_full`: a task score that credits any answer holding
 the gold misses an answer that runs on past its end), plus the cost means
@@ -15,7 +16,13 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable
 
-from hybridkv.eval.stats import bootstrap_mean_ci, paired_bootstrap_pgr_ci, pgr, retention
+from hybridkv.eval.stats import (
+    bootstrap_mean_ci,
+    paired_bootstrap_pgr_ci,
+    paired_bootstrap_retention_ci,
+    pgr,
+    retention,
+)
 
 COSTS = ("recomputed_layer_tokens", "dense_layer_tokens", "kv_bytes", "state_bytes")
 TIMES = ("ttft_s", "build_s")  # medians: one slow outlier on a shared machine should not move them
@@ -37,6 +44,27 @@ def agreement(prediction: str, reference: str) -> float:
 
 
 OVERALL = "overall"
+
+
+def needle_split(samples: dict[str, dict], oracle: dict[str, dict], matched: list[str]) -> dict | None:
+    """On the samples full prefill solves, the share a method keeps when the answer's source (`updates`'
+    latest setting) lies inside the tail it replayed against when it lies before it: whether a tail
+    recovers what it re-reads or more. None for rows without a marked source or without a replay."""
+
+    def replays_a_tail(row: dict) -> bool:  # full prefill "replays" the whole context: no tail
+        return row.get("needle_distance") is not None and 0 < (row.get("replayed_tokens") or 0) < row["context_tokens"]
+
+    solved = [i for i in matched if oracle[i]["score"] > 0 and replays_a_tail(samples[i])]
+    if not solved:
+        return None
+    inside = [samples[i]["score"] for i in solved if samples[i]["needle_distance"] <= samples[i]["replayed_tokens"]]
+    outside = [samples[i]["score"] for i in solved if samples[i]["needle_distance"] > samples[i]["replayed_tokens"]]
+    return {
+        "inside_n": len(inside),
+        "inside_kept": statistics.fmean(inside) if inside else None,
+        "outside_n": len(outside),
+        "outside_kept": statistics.fmean(outside) if outside else None,
+    }
 
 
 def _over_known(statistic: Callable, samples: dict[str, dict], ids: list[str], field: str) -> float | None:
@@ -90,6 +118,14 @@ def summarise(rows: list[dict]) -> dict:
                 "retention": retention(mean, statistics.fmean(oracle[i]["score"] for i in matched))
                 if matched
                 else None,
+                "retention_ci95": list(ci)
+                if matched
+                and (
+                    ci := paired_bootstrap_retention_ci(
+                        [samples[i]["score"] for i in matched], [oracle[i]["score"] for i in matched]
+                    )
+                )  # fmt: skip
+                else None,
                 "pgr": pgr(statistics.fmean(method_scores), floor_mean, oracle_mean) if paired else None,
                 # How far into full prefill's answer the method agrees with it: telling even where
                 # the task scores sit at the floor (the random-weight tiny models).
@@ -104,6 +140,7 @@ def summarise(rows: list[dict]) -> dict:
                 "pgr_ci95": list(ci)
                 if paired and (ci := paired_bootstrap_pgr_ci(method_scores, floor_scores, oracle_scores))
                 else None,
+                "needle_in_tail": needle_split(samples, oracle, matched),
                 **{cost: _over_known(statistics.fmean, samples, ids, cost) for cost in COSTS},
                 **{time: _over_known(statistics.median, samples, ids, time) for time in TIMES},
             }

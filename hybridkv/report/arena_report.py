@@ -18,9 +18,9 @@ from hybridkv.eval.summary import OVERALL  # noqa: E402
 from hybridkv.methods.chunked import ATTENTION, LINEAR
 from hybridkv.report.probe_report import probe_paragraph
 
-COLUMNS = ["task", "length", "method", "budget", "n", "score", "score_ci95", "retention", "pgr", "pgr_ci95",
-           "agreement_with_full", "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens", "kv_bytes",
-           "state_bytes"]  # fmt: skip
+COLUMNS = ["task", "length", "method", "budget", "n", "score", "score_ci95", "retention", "retention_ci95", "pgr",
+           "pgr_ci95", "agreement_with_full", "same_as_full", "ttft_s", "build_s", "recomputed_layer_tokens",
+           "kv_bytes", "state_bytes"]  # fmt: skip
 
 
 def _label(row: dict) -> str:
@@ -381,6 +381,30 @@ def shadow_prediction_table(out_dir: Path) -> list[str]:
     return [*lines, ""]
 
 
+def needle_table(rows: list[dict]) -> list[str]:
+    """Where the workload marks the answer's source (`updates`' latest setting): per replaying method,
+    the share of full prefill's solved answers kept with the source inside the replayed tail and
+    before it. A tail that keeps answers whose source it never re-read recovers more than it re-reads."""
+    split = [row for row in rows if row.get("needle_in_tail")]
+    if not split:
+        return []
+    lines = [
+        "## The answer's source inside the replayed tail or before it",
+        "",
+        "On the samples full prefill solves: kept = the share the method still solves (count in brackets).",
+        "",
+        "| task | length | method | inside the tail: kept (n) | before it: kept (n) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in split:
+        cell = row["needle_in_tail"]
+        lines.append(
+            f"| {row['task']} | {row['length']} | {_label(row)} | {_fmt(cell['inside_kept'])} ({cell['inside_n']}) | "
+            f"{_fmt(cell['outside_kept'])} ({cell['outside_n']}) |"
+        )
+    return [*lines, ""]
+
+
 def _key(row: dict) -> tuple:
     return row["task"], row["length"], row["method"], str(row["budget"])
 
@@ -412,6 +436,7 @@ def write_arena_report(out_dir: Path, beside: Path | None = None) -> tuple[Path,
         *(f"![{name}]({name})" for name in plots),
         "",
         *pair_tables(per_task),
+        *needle_table(rows),
         *(beside_table(rows, out_dir, beside) if beside is not None else []),
         *shadow_table(rows, out_dir),
         *shadow_prediction_table(out_dir),

@@ -11,6 +11,8 @@ one entry there.
 - `rag`: retrieved passages, each encoded on its own, concatenated into a new prompt.
 - `agent-reports`: sub-agents' reports, each encoded when it was written, gathered for a question
   that needs two of them.
+- `updates`: records set and set again later, the current (latest) one asked: the order a NoPE
+  attention layer can only learn from the linear layers' states.
 - `kvsharearena`: KVShareArena's frozen querysets (LongBench subsets cut into their declared chunks,
   and agents' question-blind reports) read from a local copy, scored by its F1; `hybridkv arena
   export --format kva` writes the answers back as its result files (`hybridkv.eval.kva`).
@@ -32,7 +34,7 @@ prefix-reuse method can only use the first (the shared instructions) and recompu
 from __future__ import annotations
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.workloads import agent_reports, kvsharearena, longbench, multi_turn, prefix, rag, ruler
+from hybridkv.eval.workloads import agent_reports, kvsharearena, longbench, multi_turn, prefix, rag, ruler, updates
 from hybridkv.eval.workloads.base import Sample, Workload, largest_fitting, place_sentence
 
 WORKLOADS: dict[str, Workload] = {
@@ -45,6 +47,7 @@ WORKLOADS: dict[str, Workload] = {
         rag.WORKLOAD,
         agent_reports.WORKLOAD,
         kvsharearena.WORKLOAD,
+        updates.WORKLOAD,
     )
 }
 

@@ -46,7 +46,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.arena import SHADOW_CHECKS, ArenaPlan, answer_budget, read_rows, row_key, scored_row
+from hybridkv.eval.arena import (
+    SHADOW_CHECKS,
+    ArenaPlan,
+    answer_budget,
+    needle_distance,
+    read_rows,
+    row_key,
+    scored_row,
+)
 from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget
 
@@ -280,6 +288,7 @@ def _row(plan, sample, name, budget, answer: Generation, context, question, laye
         "matched_tokens": answer.hybridkv["matched"] if answer.hybridkv else answer.cached_tokens,
         "reused_tokens": reused,
         "replayed_tokens": replayed,
+        "needle_distance": needle_distance(sample, tokenizer),
         "recomputed_tokens": computed,
         "recomputed_layer_tokens": computed * layers,
         "dense_layer_tokens": prompt_tokens * layers,
