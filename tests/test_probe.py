@@ -9,16 +9,17 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.errors import HybridKVError
-from hybridkv.eval.probe import PROBE_FILE, ProbeConfig, counterfactual, find_probe, run_probe, verdict
+from hybridkv.eval.probe import PROBE_FILE, ProbeConfig, Prober, counterfactual, find_probe, run_probe, verdict
+from hybridkv.eval.workloads import Sample, get_workload
 from hybridkv.methods import Budget
 from hybridkv.models.tiny import TRAINED_MODELS
-from hybridkv.models.tokenizer import load_tokenizer
+from hybridkv.models.tokenizer import ByteTokenizer, load_tokenizer
 
 BUDGETS = [Budget(fraction=0.1), Budget(fraction=1.0)]
 
 
 def _probe(models, name: str, length: int = 2048, samples: int = 4) -> dict:
-    config = ProbeConfig(tasks=["niah_single_1"], length=length, samples=samples, budgets=BUDGETS)
+    config = ProbeConfig(tasks=["niah_single_1"], length=length, samples=samples, budgets=BUDGETS, min_solved=2)
     return run_probe(models[name], load_tokenizer(name), config, show_progress=False)
 
 
@@ -68,11 +69,46 @@ def test_a_counterfactual_value_differs_everywhere_but_keeps_its_shape(value):
 
 
 def test_verdicts_follow_the_shares():
-    assert verdict(0.0, 1.0, [2]) == "states, layer 2"
-    assert verdict(0.1, 0.9, [1, 2]) == "states, layers 1, 2"
-    assert verdict(0.9, 0.0, []) == "attention"
-    assert verdict(0.3, 0.2, []) == "mixed"  # neither swap moves the answer in half the samples
-    assert verdict(None, None, []) == "unmeasured"
+    assert verdict(0.0, 1.0, 0.0, [2]) == "states, layer 2"
+    assert verdict(0.1, 0.9, 0.2, [1, 2]) == "states, layers 1, 2"
+    assert verdict(0.9, 0.0, 1.0) == "attention"
+    # the value is in attention, but zeroed states lose it (layer 4's alone does)
+    assert verdict(0.9, 0.0, 0.3, [], [4]) == "attention, with states, layer 4"
+    assert verdict(0.6, 0.7, 0.0) == "mixed: both"
+    assert verdict(0.3, 0.1, 1.0) == "mixed: neither"  # no swap moves the answer in half the samples
+    assert verdict(0.3, 0.3, 1.0) == "mixed: split"
+    assert verdict(0.1, 0.8, 0.5, [0], kind="order") == "order from states, layer 0"
+    assert verdict(None, None) == "unmeasured"
+
+
+def test_too_few_solved_samples_give_no_verdict(models):
+    config = ProbeConfig(tasks=["niah_single_1"], length=1024, samples=2, budgets=BUDGETS, min_solved=3)
+    found = run_probe(models["tiny-qwen3-next"], load_tokenizer("tiny-qwen3-next"), config, show_progress=False)
+    assert found["tasks"][0]["reads_from"] == f"too few solved ({found['tasks'][0]['solved']} < 3)"
+    assert found["reads_from"] == "too few solved"
+    k, n = found["tasks"][0]["counts"]["zero_state_kept"]
+    assert n == found["tasks"][0]["solved"] and k == round(found["tasks"][0]["zero_state_kept"] * n)
+
+
+def test_an_order_counterfactual_exchanges_the_latest_setting_with_the_first():
+    sample = get_workload("updates").generate("updates", 1024, 1, ByteTokenizer(), 0)[0]
+    kind, swapped, other, meta, _ = Prober.counterfactual_of(sample)
+    (gold,), first = sample.golds, sample.meta["stale"][0]
+    assert kind == "order" and other == [first] and len(swapped) == len(sample.context)
+    assert swapped.index(gold) < swapped.index(first)  # the latest value now stands first, and the first last
+    assert sorted(swapped) == sorted(sample.context)  # the same values, in another order
+    score = get_workload("updates").score
+    assert score("updates", f" {first}.", other, meta) == 1.0 and score("updates", f" {gold}.", other, meta) == 0.0
+
+
+def test_a_counterfactual_that_tokenizes_to_another_length_is_refused(models):
+    class Merging:  # BPE-like: "55" is one token, so 1002003's counterfactual 6557558 is two tokens shorter
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text.replace("55", "5")]
+
+    context = "Noise. One of the special magic numbers for tall-tree is: 1002003. More noise."
+    sample = Sample("s", "niah_single_1", 512, context, "\nWhat is it? It is", ["1002003"])
+    assert Prober(models["tiny-qwen3-next"], Merging(), ProbeConfig()).probe(sample) == "counterfactual length"
 
 
 def test_a_corrupt_probe_beside_a_checkpoint_is_refused(tmp_path):
@@ -88,6 +124,7 @@ def test_probe_writes_beside_a_checkpoint_and_the_arena_report_shows_it(tmp_path
     shutil.copytree(TRAINED_MODELS["tiny-qwen3-next"], checkpoint)
     (checkpoint / PROBE_FILE).unlink(missing_ok=True)
     args = ["--model", str(checkpoint), "--length", "1024", "--samples", "2", "--tasks", "niah_single_1"]
+    args += ["--min-solved", "1"]
     assert main(["probe", *args, "--budgets", "0.1", "--out", str(tmp_path / "probe"), "--no-progress"]) == 0
     assert "reads its answer from: attention" in capsys.readouterr().out
     kept = json.loads((checkpoint / PROBE_FILE).read_text())

@@ -7,7 +7,11 @@ model answers correctly with full prefill:
 - **swap test**: a counterfactual context is the same text with every answer value changed (each digit
   shifted by 5, letters rotated: same length, same character classes). With the true context's KV
   and the counterfactual's states, does the answer follow the states (the other value)? With the
-  counterfactual's KV and the true states, does it follow the KV?
+  counterfactual's KV and the true states, does it follow the KV? For a record set several times
+  (`updates`: the latest setting asked) the counterfactual keeps every value and exchanges the
+  latest setting with the first: the swap then asks where the *order* is read from. A counterfactual
+  that tokenizes to another length than the true context (a BPE tokenizer may merge the changed
+  characters otherwise) is refused for that sample: the swapped parts would not line up.
 - **per linear layer**: that layer's state alone zeroed (is the answer kept?) or alone taken from
   the counterfactual (does the answer move to the other value?);
 - **zero-state**: every state zeroed, the true KV kept;
@@ -17,6 +21,13 @@ model answers correctly with full prefill:
 Every condition resumes the question at L from a cache assembled from those pieces; answers are
 greedy, to the task's answer length, scored by the workload's own scorer against the true and the
 counterfactual values.
+
+The verdict (`verdict`) reads the swaps with zero-state and per-layer zeroing: an answer that follows
+the KV in the swaps but is lost when the states are zeroed reads its value from attention and needs
+the states to do it ("attention, with states"); `mixed` says which case it is (both parts carry the
+answer, neither swap moves it, or the samples split between them); fewer solved samples than
+`min_solved` give "too few solved". Every share comes with its count (`counts`: successes, samples),
+from which reports print a 95% Wilson interval.
 """
 
 from __future__ import annotations
@@ -68,6 +79,9 @@ class ProbeConfig:
         metadata={"help": "tail-replay budgets for the retention-vs-needle-position curve"},
     )
     seed: int = field(default=0, metadata={"help": "seed of the samples"})
+    min_solved: int = field(
+        default=5, metadata={"help": "a task with fewer samples full prefill solves gets 'too few solved', no verdict"}
+    )
 
     def check(self) -> None:
         if self.samples < 1 or self.length < 64:
@@ -109,6 +123,7 @@ class SampleProbe:
 
     id: str
     task: str
+    kind: str  # "value" (every answer value changed) or "order" (the latest setting exchanged with the first)
     context_tokens: int
     needle_distance: int | None  # tokens from the farthest answer value's start to L
     full: float  # full prefill's score (the sample counts only when it is 1)
@@ -135,29 +150,51 @@ class Prober:
         logits = self.model.forward(torch.tensor(question, dtype=torch.long), cache, start, 1)
         return greedy_continue(self.model, cache, logits[-1], start + len(question), steps, self.model.eos_ids)
 
-    def _scores(self, sample: Sample, tokens: list[int], other: list[str]) -> tuple[float, float]:
+    def _scores(self, sample: Sample, tokens: list[int], other: tuple[list[str], dict]) -> tuple[float, float]:
         text = self.tokenizer.decode(tokens)
         return (
             self.workload.score(sample.task, text, sample.golds, sample.meta),
-            self.workload.score(sample.task, text, other, sample.meta),
+            self.workload.score(sample.task, text, *other),
         )
 
-    def probe(self, sample: Sample) -> SampleProbe | None:
-        """Every condition on one sample; None when no answer value occurs in its context (nothing to swap)."""
+    @staticmethod
+    def counterfactual_of(sample: Sample) -> tuple[str, str, list[str], dict, list[str]] | None:
+        """(kind, counterfactual context, its golds, the meta they are scored with, the values swapped),
+        or None when no answer value occurs in the context (nothing to swap)."""
+        stale = sample.meta.get("stale")
+        if stale and len(sample.golds) == 1 and sample.golds[0] in sample.context:
+            # order: the latest value and the first are exchanged, every value stays in the text
+            gold, first = sample.golds[0], stale[0]
+            marker = "\x00"
+            swapped = sample.context.replace(gold, marker).replace(first, gold).replace(marker, first)
+            return "order", swapped, [first], {**sample.meta, "stale": [gold, *stale[1:]]}, [first, gold]
         values = sorted({g for g in sample.golds if g and g in sample.context}, key=len, reverse=True)
         if not values:
             return None
-        other = [counterfactual(g) for g in sample.golds]
         swapped = sample.context
         for value in values:  # longest first, so a value inside another is not half-replaced
             swapped = swapped.replace(value, counterfactual(value))
+        return "value", swapped, [counterfactual(g) for g in sample.golds], sample.meta, values
+
+    def probe(self, sample: Sample) -> SampleProbe | str:
+        """Every condition on one sample, or why it was skipped ("no value in context": nothing to swap;
+        "counterfactual length": the counterfactual context tokenizes to another length)."""
+        made = self.counterfactual_of(sample)
+        if made is None:
+            return "no value in context"
+        kind, swapped, other_golds, other_meta, values = made
+        other = (other_golds, other_meta)
         context = self.tokenizer.encode(sample.context)
+        if len(self.tokenizer.encode(swapped)) != len(context):
+            return "counterfactual length"
         question = self.tokenizer.encode(sample.question)
         steps = sample.meta.get("tokens_to_generate", 32)
-        first = min(sample.context.index(v) for v in values)
+        # the farthest value an answer needs; for an order probe, where the latest setting starts
+        first = sample.meta["answer_offset"] if kind == "order" else min(sample.context.index(v) for v in values)
         result = SampleProbe(
             id=sample.id,
             task=sample.task,
+            kind=kind,
             context_tokens=len(context),
             needle_distance=len(context) - len(self.tokenizer.encode(sample.context[:first])),
             full=0.0,
@@ -233,26 +270,56 @@ def _share(values: list[float]) -> float | None:
     return mean(values) if values else None
 
 
-def verdict(follows_kv: float | None, follows_states: float | None, state_layers: list[int]) -> str:
-    """'attention', 'states, layer N' (the layers whose state alone carries the answer), 'mixed', or
-    'unmeasured' (no sample solved)."""
+def _layers(word: str, layers: list[int]) -> str:
+    return f"{word}, layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" if layers else word
+
+
+def verdict(
+    follows_kv: float | None,
+    follows_states: float | None,
+    zero_state_kept: float | None = None,
+    state_layers: list[int] = (),
+    needed_layers: list[int] = (),
+    kind: str = "value",
+) -> str:
+    """Where the answer is read from, over the solved samples:
+
+    - 'attention': it follows the KV in the swaps and survives zeroed states;
+    - 'attention, with states[, layer N]': it follows the KV but is lost when every state is zeroed
+      (the layers whose zeroing alone loses it named): the value is in attention, reading it needs
+      the states, so a recovered state is at stake though the needle is not in one;
+    - 'states[, layer N]': it follows the states (the layers whose state alone carries it named);
+    - 'mixed: both' (each swap moves it), 'mixed: neither' (no swap moves it in as many as half),
+      'mixed: split' (some samples follow one part, some the other, neither in half);
+    - 'unmeasured' (no sample solved).
+    An order probe (kind "order") says the same of the order: 'order from attention', 'order from states'.
+    """
     if follows_kv is None or follows_states is None:
         return "unmeasured"
     if follows_states >= VERDICT_SHARE > follows_kv:
-        if not state_layers:
-            return "states"
-        word = "layer" if len(state_layers) == 1 else "layers"
-        return f"states, {word} {', '.join(map(str, state_layers))}"
-    if follows_kv >= VERDICT_SHARE > follows_states:
-        return "attention"
-    return "mixed"
+        found = _layers("states", list(state_layers))
+    elif follows_kv >= VERDICT_SHARE > follows_states:
+        needs = zero_state_kept is not None and zero_state_kept < VERDICT_SHARE
+        found = _layers("attention, with states", list(needed_layers)) if needs else "attention"
+    elif follows_kv >= VERDICT_SHARE and follows_states >= VERDICT_SHARE:
+        found = "mixed: both"
+    elif follows_kv + follows_states < VERDICT_SHARE:
+        found = "mixed: neither"
+    else:
+        found = "mixed: split"
+    return f"order from {found}" if kind == "order" else found
 
 
-def summarise_task(task: str, probes: list[SampleProbe], linear_layers: list[int], budgets: list[Budget]) -> dict:
+def summarise_task(
+    task: str, probes: list[SampleProbe], linear_layers: list[int], budgets: list[Budget], min_solved: int = 1
+) -> dict:
     solved = [p for p in probes if p.full >= 1.0]
+    counts: dict[str, list[int]] = {}  # share name -> [successes, samples], for its interval
 
     def share(name: str, which: int) -> float | None:
-        return _share([p.conditions[name][which] for p in solved])
+        values = [p.conditions[name][which] for p in solved]
+        counts[f"{name}_{('kept', 'follows')[which]}"] = [round(sum(values)), len(values)]
+        return _share(values)
 
     layers = []
     for layer in linear_layers:
@@ -264,7 +331,13 @@ def summarise_task(task: str, probes: list[SampleProbe], linear_layers: list[int
             }
         )
     carrying = [row["layer"] for row in layers if (row["swapped_follows_other"] or 0.0) >= VERDICT_SHARE]
-    follows_kv, follows_states = share("kv_swap", 1), share("state_swap", 1)
+    needed = [row["layer"] for row in layers if row["zeroed_kept"] is not None and row["zeroed_kept"] < VERDICT_SHARE]
+    follows_kv, follows_states, zero_kept = share("kv_swap", 1), share("state_swap", 1), share("zero_state", 0)
+    kind = "order" if solved and all(p.kind == "order" for p in solved) else "value"
+    if 0 < len(solved) < min_solved:
+        found = f"too few solved ({len(solved)} < {min_solved})"
+    else:
+        found = verdict(follows_kv, follows_states, zero_kept, carrying, needed, kind)
     replay = []
     for budget in budgets:
         points = [r for p in solved for r in p.replays if r["budget"] == budget.label()]
@@ -285,13 +358,15 @@ def summarise_task(task: str, probes: list[SampleProbe], linear_layers: list[int
         "task": task,
         "samples": len(probes),
         "solved": len(solved),
-        "reads_from": verdict(follows_kv, follows_states, carrying),
+        "probe": kind,
+        "reads_from": found,
         "resumed_kept": share("resumed", 0),
         "kv_swap_follows_kv": follows_kv,
         "kv_swap_kept": share("kv_swap", 0),
         "state_swap_follows_states": follows_states,
         "state_swap_kept": share("state_swap", 0),
-        "zero_state_kept": share("zero_state", 0),
+        "zero_state_kept": zero_kept,
+        "counts": counts,
         "layers": layers,
         "replay": replay,
     }
@@ -300,6 +375,8 @@ def summarise_task(task: str, probes: list[SampleProbe], linear_layers: list[int
 def overall_verdict(tasks: list[dict]) -> str:
     """One phrase for the model: the tasks' shared verdict, or each task's where they differ."""
     measured = {t["task"]: t["reads_from"] for t in tasks if t["reads_from"] != "unmeasured"}
+    if measured and all(found.startswith("too few solved") for found in measured.values()):
+        return "too few solved"
     if not measured:
         return "unmeasured"
     if len(set(measured.values())) == 1:
@@ -322,17 +399,17 @@ def run_probe(model: HybridModel, tokenizer, config: ProbeConfig, show_progress:
         except ValueError as err:  # a generator's refusal (a length too short for the task)
             raise HybridKVError(f"probe: {config.workload} {task} at {config.length} tokens: {err}") from None
     probes: dict[str, list[SampleProbe]] = {task: [] for task in config.tasks}
-    skipped: dict[str, int] = dict.fromkeys(config.tasks, 0)
+    skipped: dict[str, dict[str, int]] = {task: {} for task in config.tasks}
     for sample in tqdm(samples, desc="probe", disable=not show_progress):
         found = prober.probe(sample)
-        if found is None:
-            skipped[sample.task] += 1
+        if isinstance(found, str):
+            skipped[sample.task][found] = skipped[sample.task].get(found, 0) + 1
         else:
             probes[sample.task].append(found)
     linear = model.description.linear_layers
-    tasks = [summarise_task(task, probes[task], linear, config.budgets) for task in config.tasks]
+    tasks = [summarise_task(task, probes[task], linear, config.budgets, config.min_solved) for task in config.tasks]
     for row in tasks:
-        row["skipped_no_value_in_context"] = skipped[row["task"]]
+        row["skipped"] = skipped[row["task"]]  # reason -> samples: none to swap, or a counterfactual of other length
     return {
         "model": model.name,
         "dtype": str(model.dtype).removeprefix("torch."),

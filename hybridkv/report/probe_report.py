@@ -7,6 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # files only: no pyplot, no backend to choose
 
+from hybridkv.eval.stats import wilson
+
 DISTANCE_BINS = 10  # bins of the needle's distance from L (as a fraction of L) on the retention plot
 
 
@@ -14,6 +16,15 @@ def _fmt(value) -> str:
     if value is None:
         return "—"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _counted(task: dict, share: str, count: str) -> str:
+    """A share with its count and 95% Wilson interval: 0.80 (8/10) [0.49, 0.94]; the bare share for a
+    probe written before counts were kept."""
+    if (kn := task.get("counts", {}).get(count)) is None or task[share] is None:
+        return _fmt(task[share])
+    low, high = wilson(*kn)
+    return f"{task[share]:.2f} ({kn[0]}/{kn[1]}) [{low:.2f}, {high:.2f}]"
 
 
 def probe_tables(summary: dict) -> list[str]:
@@ -27,9 +38,9 @@ def probe_tables(summary: dict) -> list[str]:
             task["task"],
             f"{task['solved']}/{task['samples']}",
             f"**{task['reads_from']}**",
-            _fmt(task["kv_swap_follows_kv"]),
-            _fmt(task["state_swap_follows_states"]),
-            _fmt(task["zero_state_kept"]),
+            _counted(task, "kv_swap_follows_kv", "kv_swap_follows"),
+            _counted(task, "state_swap_follows_states", "state_swap_follows"),
+            _counted(task, "zero_state_kept", "zero_state_kept"),
         ]
         cells += [f"{_fmt(row['zeroed_kept'])} / {_fmt(row['swapped_follows_other'])}" for row in task["layers"]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -110,9 +121,12 @@ def probe_markdown(summary: dict) -> str:
             "",
             "A counterfactual context changes every answer value (same length and character classes). *KV swap*: "
             "the counterfactual's attention KV with the true states; *state swap*: the true KV with the "
-            "counterfactual's states; shares are over samples full prefill solves. A verdict needs the answer to "
-            "follow one swapped part in at least half of them and the other in fewer; a layer is named when "
-            "swapping its state alone moves the answer in at least half.",
+            "counterfactual's states; shares are over samples full prefill solves, with their count and 95% Wilson "
+            "interval. A verdict needs the answer to follow one swapped part in at least half of them and the other "
+            "in fewer; 'attention, with states' follows the KV but is lost when the states are zeroed; a layer is "
+            "named when swapping (or, for 'with states', zeroing) its state alone moves (loses) the answer in at "
+            "least half. An `updates` probe (order) exchanges the latest setting with the first instead of changing "
+            "values: its verdict says where the order is read from.",
             "",
             "![probe](probe.png)",
             "",
