@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -130,6 +131,10 @@ def test_probe_writes_beside_a_checkpoint_and_the_arena_report_shows_it(tmp_path
     kept = json.loads((checkpoint / PROBE_FILE).read_text())
     assert kept == json.loads((tmp_path / "probe" / "probe.json").read_text())
     assert (tmp_path / "probe" / "probe.png").stat().st_size > 0
+    # every share printed with its count and a 95% interval
+    table = (tmp_path / "probe" / "probe.md").read_text()
+    shares = re.findall(r"\| \d\.\d\d \(\d+/\d+\) \[\d\.\d\d, \d\.\d\d\] ", table)
+    assert len(shares) == 3  # KV swap, state swap, zero-state
     arena = tmp_path / "arena"
     run = ["arena", "run", "--model", str(checkpoint), "--lengths", "1024", "--samples", "1"]
     assert main([*run, "--tasks", "niah_single_1", "--methods", "full", "--out", str(arena), "--no-progress"]) == 0
