@@ -279,7 +279,13 @@ def shadow_table(rows: list[dict], out_dir: Path) -> list[str]:
         "served recipe)); the served answers teacher-forced through exact full prefill, per kind of resume, that "
         "left exact greedy before their end (and where, on average); and the score lost against full prefill. "
         "The excess over the engine's own noise is in the next table, against the run's full-prefill answers "
-        "(a setting's own full prefills here are its contexts' one-token first requests).",
+        "(a setting's own full prefills here are its contexts' one-token first requests)."
+        + (
+            " One server answers every length, so a setting's shadow figures (here and in the next "
+            "table) pool its lengths."
+            if len(full) > 1
+            else ""
+        ),
         "",
         "| method | budget | length | first-token checks | flip rate | mean KL | answers diverged (kind) | "
         "score | full | score lost |",
