@@ -24,7 +24,8 @@ DATA = ROOT / "hybridkv" / "eval" / "workloads" / "data"
 
 
 def test_registry_names_each_workload_by_its_own_name():
-    assert list(WORKLOADS) == ["ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports", "kvsharearena", "updates"]
+    names = ["ruler", "longbench", "prefix", "multi-turn", "rag", "agent-reports", "kvsharearena", "updates"]
+    assert list(WORKLOADS) == names
     for name, workload in WORKLOADS.items():
         assert isinstance(workload, Workload) and workload.name == name and get_workload(name) is workload
         assert workload.tasks and set(workload.default_tasks) <= set(workload.tasks)
