@@ -29,7 +29,7 @@ def test_the_latest_setting_is_the_gold_and_every_prompt_fits(length):
         assert len(found) >= 2 and all(sample.context.count(v) == 1 for _, v in found)
         assert sample.context[sample.meta["answer_offset"] :].startswith(SETTING.format(key=key, value=sample.golds[0]))
         # The arena's distance counts the tokens from that setting to the context's end.
-        distance = needle_distance(sample, tokenizer)
+        distance = needle_distance(sample, tokenizer, len(tokenizer.encode(sample.context)))
         tail = tokenizer.decode(tokenizer.encode(sample.context)[-distance:])
         assert tail.startswith(SETTING.format(key=key, value=sample.golds[0]))
 

@@ -110,14 +110,15 @@ def scored_row(workload: str, sample, method: str, budget: Budget | None, predic
     }
 
 
-def needle_distance(sample, tokenizer) -> int | None:
+def needle_distance(sample, tokenizer, context_tokens: int) -> int | None:
     """Tokens from where the answer's source starts (`meta["answer_offset"]`, a character offset into
-    the context: `updates`' latest setting) to the context's end, for a one-piece context; None when
-    the workload marks no such place. A tail replay holds the source when it is at most its length."""
+    the context: `updates`' latest setting) to the context's end (`context_tokens` long), for a
+    one-piece context; None when the workload marks no such place. A tail replay holds the source
+    when it is at most its length."""
     offset = sample.meta.get("answer_offset")
     if offset is None or sample.chunks:
         return None
-    return len(tokenizer.encode(sample.context)) - len(tokenizer.encode(sample.context[:offset]))
+    return context_tokens - len(tokenizer.encode(sample.context[:offset]))
 
 
 def run_arena(
@@ -178,7 +179,7 @@ def run_arena(
                 "question_tokens": len(question),
                 "reused_tokens": answer.reused_tokens,
                 "replayed_tokens": answer.replayed_tokens,
-                "needle_distance": needle_distance(sample, tokenizer),
+                "needle_distance": needle_distance(sample, tokenizer, len(context)),
                 "recomputed_tokens": answer.recomputed_tokens,
                 "recomputed_layer_tokens": answer.recomputed_layer_tokens,
                 "dense_layer_tokens": (len(context) + len(question)) * model.description.num_layers,

@@ -288,7 +288,7 @@ def _row(plan, sample, name, budget, answer: Generation, context, question, laye
         "matched_tokens": answer.hybridkv["matched"] if answer.hybridkv else answer.cached_tokens,
         "reused_tokens": reused,
         "replayed_tokens": replayed,
-        "needle_distance": needle_distance(sample, tokenizer),
+        "needle_distance": needle_distance(sample, tokenizer, len(context)),
         "recomputed_tokens": computed,
         "recomputed_layer_tokens": computed * layers,
         "dense_layer_tokens": prompt_tokens * layers,
