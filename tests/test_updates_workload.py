@@ -12,15 +12,16 @@ from hybridkv.eval.workloads.updates import SETTING, TOKENS_TO_GENERATE, generat
 from hybridkv.models.tokenizer import ByteTokenizer
 
 
+@pytest.mark.parametrize("task", ["updates", "updates-chat"])
 @pytest.mark.parametrize("length", [2048, 8192])
-def test_the_latest_setting_is_the_gold_and_every_prompt_fits(length):
+def test_the_latest_setting_is_the_gold_and_every_prompt_fits(task, length):
     tokenizer = ByteTokenizer()
-    samples = generate("updates", length, 12, tokenizer, seed=1)
+    samples = generate(task, length, 12, tokenizer, seed=1)
     assert len({s.id for s in samples}) == 12
     assert {s.meta["haystack"] for s in samples} == {"noise", "essay"}
     for sample in samples:
         prompt = len(tokenizer.encode(sample.context + sample.question))
-        assert 0.95 * length < prompt + TOKENS_TO_GENERATE["updates"] <= length
+        assert 0.95 * length < prompt + TOKENS_TO_GENERATE[task] <= length
         key = sample.question.split("number for ")[1].split("?")[0]
         # Every setting of the asked record in the text, in order; the gold is the last of them.
         found = sorted((sample.context.index(SETTING.format(key=key, value=v)), v)
@@ -28,10 +29,27 @@ def test_the_latest_setting_is_the_gold_and_every_prompt_fits(length):
         assert [v for _, v in found] == [*sample.meta["stale"], *sample.golds]
         assert len(found) >= 2 and all(sample.context.count(v) == 1 for _, v in found)
         assert sample.context[sample.meta["answer_offset"] :].startswith(SETTING.format(key=key, value=sample.golds[0]))
+        for setting in sample.meta["settings"]:
+            assert sample.context[setting["offset"] :].startswith(setting["text"])
         # The arena's distance counts the tokens from that setting to the context's end.
         distance = needle_distance(sample, tokenizer, len(tokenizer.encode(sample.context)))
         tail = tokenizer.decode(tokenizer.encode(sample.context)[-distance:])
         assert tail.startswith(SETTING.format(key=key, value=sample.golds[0]))
+
+
+def test_the_chat_form_puts_every_setting_in_a_user_turn_and_asks_after_the_last_turn():
+    tokenizer = ByteTokenizer()
+    plain, chat = (generate(task, 4096, 8, tokenizer, seed=0) for task in ("updates", "updates-chat"))
+    for sample in chat:
+        turns = sample.context.split("\n\n")[1:]  # after the head
+        assert len(turns) >= 10 and all(t.startswith("User: ") and "\nAssistant: " in t for t in turns)
+        for setting in sample.meta["settings"]:
+            turn = next(t for t in turns if setting["text"] in t)
+            assert turn.index(setting["text"]) < turn.index("\nAssistant: ")  # the user sets it
+        assert sample.question.startswith("\n\nUser: What is the current")
+        assert "\nAssistant: The current special magic number for" in sample.question
+    # The chat form is its own draw: its samples are not the plain ones in another wrapping.
+    assert [s.golds for s in plain] != [s.golds for s in chat]
 
 
 def test_samples_are_seeded_and_the_same_records_at_every_length():

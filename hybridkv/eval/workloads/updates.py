@@ -19,6 +19,12 @@ an independent uniform depth. `meta["settings"]` lists every setting with its ch
 records how far it lies before the context's end (the needle-in-tail split of tail-replay);
 `meta["stale"]` are the asked record's earlier values, so an answer giving one of them is an answer
 that lost the order, not the record.
+
+`updates-chat` is the same records in a conversation, the shape a chat assistant's traffic has: the
+haystack is cut into user turns, each answered by a one-line assistant turn, the settings sit inside
+the user turns, and the question is the next user turn, asked after all of them. The setting and
+question sentences are `updates`' own, so a model trained on `updates` reads them; what it has not
+seen is the turn structure around them.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from hybridkv.eval.workloads.essay import essay_words, sentences
 from hybridkv.eval.workloads.ruler_build import Draft, fit, insert, join, noise_lines
 from hybridkv.eval.workloads.ruler_tasks import draw_value
 
-TASKS = ("updates",)
-TOKENS_TO_GENERATE = {"updates": 32}
+TASKS = ("updates", "updates-chat")
+TOKENS_TO_GENERATE = {"updates": 32, "updates-chat": 32}
 HAYSTACKS = ("noise", "essay")
 HEAD = (
     "Special magic numbers are set within the following text, and some are set again later; the latest setting "
@@ -40,6 +46,17 @@ HEAD = (
 )
 SETTING = "The special magic number for {key} is set to {value}."
 QUESTION = "\nWhat is the current special magic number for {key}? The current special magic number for {key} is"
+CHAT_HEAD = (
+    "A conversation between a user and an assistant. The user sets special magic numbers in some turns, and sets "
+    "some again in later turns; the latest setting counts.\n\n"
+)
+CHAT_TURN = "User: {text}\nAssistant: {reply}"
+CHAT_REPLIES = ("Noted.", "Understood.", "Got it.", "Thanks, noted.", "All right.")
+CHAT_QUESTION = (
+    "\n\nUser: What is the current special magic number for {key}?\nAssistant: The current special magic number "
+    "for {key} is"
+)
+SENTENCES_PER_TURN = 4
 
 
 def _records(rng: random.Random) -> tuple[list[tuple[str, str]], str]:
@@ -53,17 +70,38 @@ def _records(rng: random.Random) -> tuple[list[tuple[str, str]], str]:
     return settings, keys[0]
 
 
-def _plan(rng: random.Random):
+def _chat(items: list[str], rng: random.Random, start: int) -> tuple[str, list[int]]:
+    """The items cut into user turns of SENTENCES_PER_TURN, each answered by an assistant reply drawn
+    from CHAT_REPLIES (one draw per turn, from `rng`: the same seed gives the same replies), and
+    each item's offset (plus start)."""
+    turns, offsets, pos = [], [], start
+    for first in range(0, len(items), SENTENCES_PER_TURN):
+        pos += len("User: ")
+        text, where = join(items[first : first + SENTENCES_PER_TURN], " ", pos)
+        offsets += where
+        turn = CHAT_TURN.format(text=text, reply=rng.choice(CHAT_REPLIES))
+        turns.append(turn)
+        pos += len(turn) - len("User: ") + 2  # the blank line between turns
+    return "\n\n".join(turns), offsets
+
+
+def _plan(rng: random.Random, task: str):
     settings, asked = _records(rng)
     fractions = sorted(rng.random() for _ in settings)  # one depth each; a record's settings keep their order
     haystack = rng.choice(HAYSTACKS)
     texts = [SETTING.format(key=key, value=value) for key, value in settings]
+    chat = task == "updates-chat"
+    replies_seed = rng.random()  # every size k draws the same replies
+    head, question = (CHAT_HEAD, CHAT_QUESTION) if chat else (HEAD, QUESTION)
 
     def build(k: int) -> Draft:
         units = sentences(essay_words(k)) if haystack == "essay" else noise_lines(k)
         positions = [int(f * len(units)) for f in fractions]
         items, where = insert(units, list(zip(positions, texts, strict=True)))
-        body, offsets = join(items, " " if haystack == "essay" else "\n", len(HEAD))
+        if chat:
+            body, offsets = _chat(items, random.Random(replies_seed), len(head))
+        else:
+            body, offsets = join(items, " " if haystack == "essay" else "\n", len(head))
         placed = [
             {"key": key, "value": value, "text": text, "offset": offsets[where[i]], "depth": fractions[i]}
             for i, ((key, value), text) in enumerate(zip(settings, texts, strict=True))
@@ -77,7 +115,7 @@ def _plan(rng: random.Random):
             "answer_offset": mine[-1]["offset"],
             "answer_depth": mine[-1]["depth"],
         }
-        return Draft(HEAD + body, QUESTION.format(key=asked), [mine[-1]["value"]], meta)
+        return Draft(head + body, question.format(key=asked), [mine[-1]["value"]], meta)
 
     return build
 
@@ -91,7 +129,7 @@ def generate(task: str, length: int, n: int, tokenizer, seed: int = 0, data_path
     to_generate = TOKENS_TO_GENERATE[task]
     samples, guess = [], None
     for index in range(n):
-        build = _plan(random.Random(f"hybridkv-updates|{task}|{seed}|{index}"))
+        build = _plan(random.Random(f"hybridkv-updates|{task}|{seed}|{index}"), task)
         draft, prompt_tokens, k = fit(task, build, tokenizer, length - to_generate, to_generate, 1, guess)
         guess = k
         samples.append(
@@ -124,4 +162,4 @@ def score(task: str, prediction: str, golds: list[str], meta: dict | None = None
     return string_match_all(prediction, golds)
 
 
-WORKLOAD = Workload(name="updates", tasks=TASKS, default_tasks=TASKS, generate=generate, score=score)
+WORKLOAD = Workload(name="updates", tasks=TASKS, default_tasks=("updates",), generate=generate, score=score)
