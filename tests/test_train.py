@@ -178,7 +178,7 @@ def test_no_arena_needle_key_or_answer_occurs_in_the_training_stream():
         probes |= {line.split("\n")[0].split(" on ")[-1].removeprefix("Passage: ") for line in sample.chunks[1:]}
         probes |= set(sample.golds)
     # updates: its records' keys and settings (the training stream's `updates` task draws its own)
-    for sample in [*updates.generate("updates", 1024, 8, tokenizer), *updates.generate("updates-chat", 1024, 8, tokenizer)]:
+    for sample in [s for task in updates.TASKS for s in updates.generate(task, 1024, 8, tokenizer)]:
         probes |= {part for setting in sample.meta["settings"] for part in (setting["key"], setting["text"])}
     assert len(probes) > 150
     everything = data.task_table(tuple(f"{name}:1" for name in data.TASKS))
