@@ -323,20 +323,39 @@ def test_layer_counts_come_from_every_servable_family_s_config():
     assert "num_hidden_layers" not in json.loads((WEIGHTS_DIR / "tiny-nemotron-h" / "config.json").read_text())
 
 
-def test_the_served_grid_refuses_what_a_server_cannot_run():
-    with pytest.raises(HybridKVError, match="runs only in the harness"):
-        served_grid(ArenaPlan("ruler", ["zero-state"], []), horizon=lambda: 0)
+def test_the_served_grid_comes_from_the_methods_declarations(monkeypatch):
+    """A server per configuration; a recovery method reaches vLLM when it declares it may run as
+    vLLM resumes, on the server storing states when it reads checkpoints; its requests name it."""
+    from hybridkv.integrations.vllm.arena import request_params
+    from hybridkv.methods import METHODS
+    from hybridkv.methods.tail_replay import TailReplay
+
+    for name in ("epic+linearkv", "nope"):
+        with pytest.raises(HybridKVError, match="runs only in the harness"):
+            served_grid(ArenaPlan("ruler", [name], []), horizon=lambda: 0)
     with pytest.raises(HybridKVError, match="takes no budget"):
         served_grid(ArenaPlan("ruler", ["checkpoint@0.2"], []), horizon=lambda: 0)
-    plan = ArenaPlan("ruler", ["full", "no-context", "tail-replay", "horizon-replay", "checkpoint"],
+    plan = ArenaPlan("ruler", ["full", "no-context", "tail-replay", "horizon-replay", "checkpoint", "zero-state",
+                               "adaptive-replay@0.05", "seeded-replay"],
                      [Budget(fraction=0.05), Budget(fraction=1.0)])  # fmt: skip
     servers = served_grid(plan, horizon=lambda: 96)
     assert [(s.config, s.save_states) for s in servers] == [("no-cache", True), ("hybridkv", False), ("hybridkv", True)]
     assert [(m, str(b)) for m, b in servers[1].settings] == [
+        ("zero-state", "None"),
         ("tail-replay", "0.05"),
         ("tail-replay", "1.0"),
+        ("adaptive-replay", "0.05"),
         ("horizon-replay", "96tok"),
     ]
+    assert [(m, str(b)) for m, b in servers[2].settings] == [
+        ("checkpoint", "None"), ("seeded-replay", "0.05"), ("seeded-replay", "1.0")
+    ]  # fmt: skip
+    assert request_params("horizon-replay", Budget(tokens=96)) == {"method": "tail-replay", "replay_budget": "96tok"}
+    assert request_params("checkpoint", None) == {"method": "checkpoint"} and request_params("full", None) is None
+    # A method that declares it cannot run as vLLM resumes stays in the harness.
+    monkeypatch.setitem(METHODS, "tail-replay", TailReplay(engine_resumable=False))
+    with pytest.raises(HybridKVError, match="runs only in the harness"):
+        served_grid(ArenaPlan("ruler", ["tail-replay"], [Budget(fraction=0.05)]), horizon=lambda: 0)
 
 
 def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(tmp_path):
@@ -365,7 +384,7 @@ def test_the_report_sets_served_scores_beside_the_harnesss_and_flags_cis_apart(t
     ("argv", "says"),
     [
         (["--engine", "vllm", "--model", "tiny-qwen3-next-vllm"], "serves a checkpoint directory"),
-        (["--engine", "vllm", "--model", str(MODEL), "--methods", "full,zero-state"], "runs only in the harness"),
+        (["--engine", "vllm", "--model", str(MODEL), "--methods", "full,epic+linearkv"], "runs only in the harness"),
         (["--engine", "vllm", "--model", str(MODEL), "--shadow-rate", "1.5"], "a share of requests"),
         (["--shadow-rate", "0.5"], "give --engine vllm"),
         (["--engine", "vllm", "--model", str(MODEL), "--dtype", "float16"], "vllm serve runs the model in bfloat16"),

@@ -19,6 +19,7 @@ from hybridkv.store.memory import MemoryStore
 from tests.helpers import RoundTripStore
 
 BLOCK = 16
+SEEDED = SeededReplay()  # what the connector runs by default
 LAYOUT = {"attn.0": 64, "attn.1": 64}
 STATES = {"gdn.0": 40}
 
@@ -93,7 +94,7 @@ def test_a_match_ending_where_a_shorter_prompt_ended_resumes_from_its_checkpoint
     blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
     extended = prompt + list(range(300, 310))
     blocks.save_blocks(extended, 2, pages_for(extended, first=2))
-    resume = blocks.resume(prompt + [999] * 10, LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(prompt + [999] * 10, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.matched, resume.start) == (40, 40) and resume.states is not None
 
 
@@ -110,12 +111,12 @@ def test_a_second_question_on_a_shared_document_resumes_from_the_document_s_chec
     blocks.save_state(first, len(first), {"gdn.0": torch.zeros(40, dtype=torch.uint8)})
     blocks.save_blocks(first, 2, pages_for(first, first=2), state_at=len(first))
     second = document + [300, 301, 999, 998, 997]
-    resume = blocks.resume(second, LAYOUT, STATES, Budget(fraction=0.2))
+    resume = blocks.resume(second, LAYOUT, STATES, SEEDED, Budget(fraction=0.2))
     assert (resume.matched, resume.start, resume.exact) == (42, 40, True)
     assert torch.equal(resume.states["gdn.0"], state["gdn.0"]) and len(resume.blocks) == 3
     # A state that never was stored there (a zero-state server's document) is a zero-state tail.
     blocks.store.delete(blocks.state_key(document, len(document)))
-    resume = blocks.resume(second, LAYOUT, STATES, Budget(fraction=0.2))
+    resume = blocks.resume(second, LAYOUT, STATES, SEEDED, Budget(fraction=0.2))
     assert (resume.start, resume.states, resume.exact) == (34, None, False)
 
 
@@ -125,12 +126,12 @@ def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
     assert blocks.save_state(prompt, len(prompt), state)
     blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
     longer = prompt + [1, 2, 3]
-    resume = blocks.resume(longer, LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(longer, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.matched, resume.start) == (40, 40)
     assert torch.equal(resume.states["gdn.0"], state["gdn.0"]) and len(resume.blocks) == 3
     # Without the state entry the same hit falls back to a zero-state tail replay.
     blocks.store.delete(blocks.state_key(prompt, len(prompt)))
-    resume = blocks.resume(longer, LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(longer, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.start, resume.states) == (38, None) and len(resume.blocks) == 3
 
 
@@ -142,28 +143,28 @@ def test_pages_of_a_zero_state_replay_never_pass_for_an_exact_resume(blocks):
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
     blocks.save_state(turn2, len(turn2), state, exact=False)
     blocks.save_blocks(turn2, 0, pages_for(turn2), state_at=len(turn2), exact=False)
-    resume = blocks.resume(turn2 + [1, 2, 3], LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(turn2 + [1, 2, 3], LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.start, resume.exact) == (40, False) and resume.states is not None
     exact = list(range(100, 140))
     blocks.save_state(exact, len(exact), state)
     blocks.save_blocks(exact, 0, pages_for(exact), state_at=len(exact))
-    assert blocks.resume(exact + [1], LAYOUT, STATES, Budget(fraction=0.05)).exact
+    assert blocks.resume(exact + [1], LAYOUT, STATES, SEEDED, Budget(fraction=0.05)).exact
     # an exact state on inexact blocks is no exact resume either
     mixed = list(range(200, 240))
     blocks.save_blocks(mixed, 0, pages_for(mixed)[:1], exact=False)
     blocks.save_blocks(mixed, 1, pages_for(mixed, first=1), state_at=len(mixed))
     blocks.save_state(mixed, len(mixed), state)
-    resume = blocks.resume(mixed + [1], LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(mixed + [1], LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert resume.start == 40 and resume.states is not None and not resume.exact
     # an inexact state on exact blocks is no exact resume either
     late = list(range(400, 440))
     blocks.save_blocks(late, 0, pages_for(late), state_at=len(late))
     blocks.save_state(late, len(late), state, exact=False)
-    resume = blocks.resume(late + [1], LAYOUT, STATES, Budget(fraction=0.05))
+    resume = blocks.resume(late + [1], LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert resume.start == 40 and resume.states is not None and not resume.exact
     # a zero-state tail replay is never exact; a full replay (nothing loaded) is
-    assert blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=1.0)).exact
-    zero = blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, Budget(fraction=0.1))
+    assert blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, SEEDED, Budget(fraction=1.0)).exact
+    zero = blocks.resume(exact[:30] + [9, 9], LAYOUT, STATES, SEEDED, Budget(fraction=0.1))
     assert zero.start > 0 and zero.states is None and not zero.exact
 
 

@@ -53,6 +53,7 @@ from hybridkv.integrations.vllm.connector import HybridKVConnector  # noqa: E402
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, LoadOp, SaveOp  # noqa: E402
 from hybridkv.integrations.vllm.worker_side import _Writer  # noqa: E402
 from hybridkv.methods import Budget  # noqa: E402
+from hybridkv.methods.seeded_replay import SeededReplay  # noqa: E402
 
 BLOCK = 128  # vLLM's attention block (a multiple of the ring, as Glm5NextTailCache asserts)
 POOL = 16  # index_kpool
@@ -312,7 +313,9 @@ def test_a_zero_state_resume_restores_every_slab_byte_clears_the_ring_and_zeroes
     start = look_up(engine, req)
     # Without the pool grid the saved prompt's own checkpoint at 300 would be used, exactly:
     attention_layout, state_layout = engine.scheduler._side._layouts()
-    ungridded = engine.scheduler._side.blocks.resume(prompt, attention_layout, state_layout, Budget(fraction=BUDGET))
+    ungridded = engine.scheduler._side.blocks.resume(
+        prompt, attention_layout, state_layout, SeededReplay(), Budget(fraction=BUDGET)
+    )
     assert (ungridded.start, ungridded.states is not None) == (300, True)
     # On it: the budget's tail (5% of 300) and down to the pool boundary before it, from zero states.
     want = (300 - round(BUDGET * 300)) // POOL * POOL

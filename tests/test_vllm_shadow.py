@@ -216,14 +216,33 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
 
     with pytest.raises(HybridKVError, match=r"^unknown kv_connector_extra_config setting\(s\) 'replay_bugdet'; known"):
         ConnectorConfig.parse({"replay_bugdet": 0.2}, "model")
-    valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "replay_horizon": 64, "cache_salt": "a",
-             "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3, "shadow_window": 5,
-             "shadow_ladder": ["0.4"], "shadow_on_error": "exact", "shadow_log": "/tmp/checks.jsonl"}  # fmt: skip
+    valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "method": "adaptive-replay", "replay_horizon": 64,
+             "cache_salt": "a", "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3,
+             "shadow_window": 5, "shadow_ladder": ["0.4"], "shadow_on_error": "exact", "shadow_log": "/tmp/checks.jsonl"}  # fmt: skip
     assert set(valid) == SETTINGS
     config = ConnectorConfig.parse(valid, "model")
     assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
         0.2, 64, False, 8 * 2**20,
     )  # fmt: skip
+    assert config.method.name == "adaptive-replay" and ConnectorConfig.parse({}, "model").method.name == "seeded-replay"
+
+
+def test_a_method_vllm_cannot_run_is_refused_at_start_and_a_requests_own_falls_back(monkeypatch):
+    from hybridkv.integrations.vllm.scheduler_side import SchedulerSide
+    from hybridkv.methods import METHODS
+    from hybridkv.methods.tail_replay import TailReplay
+
+    with pytest.raises(HybridKVError, match=r"^unknown method 'last-64'; known: full, "):
+        ConnectorConfig.parse({"method": "last-64"}, "model")
+    monkeypatch.setitem(METHODS, "tail-replay", TailReplay(engine_resumable=False))
+    with pytest.raises(HybridKVError, match=r"^method 'tail-replay' cannot run in vLLM: its recipe needs more"):
+        ConnectorConfig.parse({"method": "tail-replay"}, "model")
+    # A request naming one gets the engine's method (the request is served, not failed).
+    side = SchedulerSide.__new__(SchedulerSide)
+    side.config = ConnectorConfig.parse({"method": "zero-state"}, "model")
+    ask = [SimpleNamespace(request_id="r", kv_transfer_params=params)
+           for params in ({"method": "tail-replay"}, {"method": "checkpoint"}, {"method": 3}, None)]  # fmt: skip
+    assert [side._request_method(r).name for r in ask] == ["zero-state", "checkpoint", "zero-state", "zero-state"]
 
 
 def test_a_shadow_process_killed_mid_check_fails_its_jobs_says_so_and_the_next_job_starts_another(monkeypatch):

@@ -73,12 +73,13 @@ def read_rows(path: Path) -> list[dict]:
 def method_grid(plan: ArenaPlan) -> list[tuple[str, Budget | None]]:
     """(method, budget) settings: each budgeted method at every plan budget, or at the one its
     entry pins (`tail-replay-recompute@0.05`), so a table need not be a full product."""
-    from hybridkv.methods import METHODS
+    from hybridkv.methods import recovery_methods
 
+    methods = recovery_methods()
     grid = []
     for entry in plan.methods:
         name, _, pinned = entry.partition("@")
-        uses_budget = METHODS[name].uses_budget if name in METHODS else False
+        uses_budget = methods[name].uses_budget if name in methods else False
         if pinned and not uses_budget:
             raise HybridKVError(f"method {name!r} takes no budget, so {entry!r} names none to run")
         for budget in ([Budget.parse(pinned)] if pinned else plan.budgets) if uses_budget else [None]:

@@ -6,9 +6,10 @@ A method is benchmarked through three calls:
     build_cache(source) -> Built         question-blind; its cost is reported apart
     answer(question, caches, config)     -> Answer: the text, its tokens and cost telemetry
 
-Every recovery method of `hybridkv.methods` is offered through `RecoveryArenaMethod`, plus the
-`no-context` floor. A method living outside this project registers a factory under the entry
-point group `hybridkv.methods` (in its own pyproject: `[project.entry-points."hybridkv.methods"]
+Every recovery method of `hybridkv.methods` (built in, or registered under `hybridkv.recipes`) is
+offered through `RecoveryArenaMethod`, plus the `no-context` floor. A method that needs its own
+cache or answer loop, living outside this project, registers a factory under the entry point group
+`hybridkv.methods` (in its own pyproject: `[project.entry-points."hybridkv.methods"]
 my-method = "my_pkg.module:factory"`); the factory takes the budget (or None) and returns an
 object with the three calls. `hybridkv arena run --methods my-method` then benchmarks it
 without any edit here. (A method outside hybridkv may return its bare handle from build_cache: the
@@ -30,7 +31,7 @@ from hybridkv.cache.chunks import EncodedChunk, encode_chunk
 from hybridkv.cache.keys import model_fingerprint
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
-from hybridkv.methods import METHODS, Budget, RecoveryMethod, execute
+from hybridkv.methods import Budget, RecoveryMethod, execute, recovery_methods
 from hybridkv.methods.chunked import PAIRS, execute_chunks, parse_pair
 from hybridkv.models import HybridModel
 
@@ -262,7 +263,7 @@ class ChunkedArenaMethod:
 
 
 def available_methods() -> list[str]:
-    return ["no-context", *METHODS, *PAIRS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))]
+    return ["no-context", *recovery_methods(), *PAIRS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))]
 
 
 def get_arena_method(name: str, budget: Budget | None) -> ArenaMethod:
@@ -271,8 +272,7 @@ def get_arena_method(name: str, budget: Budget | None) -> ArenaMethod:
         return NoContext()
     if "+" in name:
         return ChunkedArenaMethod(name)
-    if name in METHODS:
-        recovery = METHODS[name]
+    if (recovery := recovery_methods().get(name)) is not None:
         if recovery.uses_budget and budget is None:
             raise HybridKVError(f"method {name!r} needs a budget")
         return RecoveryArenaMethod(recovery, budget if recovery.uses_budget else None)

@@ -1,4 +1,12 @@
-"""Recovery methods: one file each, one protocol (`RecoveryMethod.recipe`), one executor."""
+"""Recovery methods: one file each, one protocol (`RecoveryMethod.recipe`), one executor.
+
+The built-in methods are listed in `METHODS`. A method living in another package registers its
+class under the entry point group `hybridkv.recipes` (in that package's pyproject:
+`[project.entry-points."hybridkv.recipes"] last-128 = "my_pkg.last_128:Last128"`), and every
+engine finds it by name through `get_method`: `validate`, `ttft`, the arena and the vLLM connector.
+"""
+
+from importlib.metadata import entry_points
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods.adaptive_replay import AdaptiveReplay
@@ -34,11 +42,37 @@ METHODS: dict[str, RecoveryMethod] = {
 }
 
 
+RECIPE_ENTRY_POINTS = "hybridkv.recipes"
+# What every method declares besides `recipe` (see `RecoveryMethod`).
+DECLARED = ("name", "uses_budget", "uses_checkpoints", "reuses_kv", "engine_resumable")
+
+
+def recovery_methods() -> dict[str, RecoveryMethod]:
+    """Every recovery method by name: the built-in ones, then those registered under
+    `hybridkv.recipes` (a built-in name cannot be taken). A registered method that does not declare
+    what the protocol asks is refused in one line naming what it lacks."""
+    found = dict(METHODS)
+    for entry_point in entry_points(group=RECIPE_ENTRY_POINTS):
+        if entry_point.name in found:
+            continue
+        method = entry_point.load()()
+        where = f"method {entry_point.name!r} ({entry_point.value})"
+        if missing := [flag for flag in DECLARED if not hasattr(method, flag)]:
+            raise HybridKVError(f"{where} does not declare {', '.join(missing)}; see RecoveryMethod")
+        if not callable(getattr(method, "recipe", None)):
+            raise HybridKVError(f"{where} has no recipe(hit, budget); see RecoveryMethod")
+        if method.name != entry_point.name:
+            raise HybridKVError(f"{where} is named {method.name!r}: register it under its own name")
+        found[entry_point.name] = method
+    return found
+
+
 def get_method(name: str) -> RecoveryMethod:
+    methods = recovery_methods()
     try:
-        return METHODS[name]
+        return methods[name]
     except KeyError:
-        raise HybridKVError(f"unknown method {name!r}; known: {', '.join(METHODS)}") from None
+        raise HybridKVError(f"unknown method {name!r}; known: {', '.join(methods)}") from None
 
 
 __all__ = [
@@ -53,4 +87,5 @@ __all__ = [
     "execute",
     "execute_batch",
     "get_method",
+    "recovery_methods",
 ]

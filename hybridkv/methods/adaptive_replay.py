@@ -28,6 +28,7 @@ class AdaptiveReplay:
     uses_budget: bool = True
     uses_checkpoints: bool = False
     reuses_kv: bool = True
+    engine_resumable: bool = True
     tolerance: float = DEFAULT_TOLERANCE
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:

@@ -121,6 +121,12 @@ class RecoveryMethod(Protocol):
     uses_budget: bool  # its recipe depends on the replay budget
     uses_checkpoints: bool  # its recipe reads stored linear-state checkpoints
     reuses_kv: bool  # its recipe loads cached attention KV (False: the whole prompt is recomputed)
+    # Its recipe may run as an engine (vLLM, through the connector) resumes a prompt: the KV of
+    # [0, s) loaded, the linear states at s zero or a stored checkpoint, and [s, end) prefilled by
+    # the engine, so the KV of [s, n) is recomputed rather than loaded (the recipe's
+    # tail-replay-recompute form). False for a method whose point is that KV, or whose recipe needs
+    # what pages alone cannot tell (the connector refuses it at start).
+    engine_resumable: bool
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe: ...
 

@@ -15,6 +15,7 @@ class Checkpoint:
     uses_budget: bool = False
     uses_checkpoints: bool = True
     reuses_kv: bool = True
+    engine_resumable: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         position = hit.checkpoint_at_or_before(hit.length)

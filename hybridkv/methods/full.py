@@ -11,6 +11,7 @@ class Full:
     uses_budget: bool = False
     uses_checkpoints: bool = False
     reuses_kv: bool = False
+    engine_resumable: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         return Recipe(exact_kv_tokens=0, state_position=0)

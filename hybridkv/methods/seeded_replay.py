@@ -16,6 +16,7 @@ class SeededReplay:
     uses_budget: bool = True
     uses_checkpoints: bool = True
     reuses_kv: bool = True
+    engine_resumable: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         window_start = hit.length - budget.tail_tokens(hit.length)

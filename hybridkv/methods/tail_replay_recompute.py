@@ -17,6 +17,7 @@ class TailReplayRecompute:
     uses_budget: bool = True
     uses_checkpoints: bool = False
     reuses_kv: bool = True
+    engine_resumable: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         start = hit.length - budget.tail_tokens(hit.length)

@@ -11,6 +11,7 @@ class ZeroState:
     uses_budget: bool = False
     uses_checkpoints: bool = False
     reuses_kv: bool = True
+    engine_resumable: bool = True
 
     def recipe(self, hit: Match, budget: Budget | None) -> Recipe:
         return Recipe(exact_kv_tokens=hit.length, state_position=hit.length)

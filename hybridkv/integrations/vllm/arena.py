@@ -11,11 +11,15 @@ greedily from the prefix hit, to the task's answer length or the model's end-of-
 | `full`              | vLLM without prefix caching (the oracle)  | context + question               |
 | `no-context`        | the same server (the PGR floor)           | question                         |
 | `vllm-prefix-cache` | vLLM's own hybrid prefix cache (`align`)  | context, then context + question |
-| `tail-replay`       | HybridKVConnector, no stored states       | context, then context + question |
-| `horizon-replay`    | the same; tail: the calibrated horizon    | context, then context + question |
-| `checkpoint`        | HybridKVConnector storing final states    | context, then context + question |
+| a recovery method   | HybridKVConnector, storing final states   | context, then context + question |
+|                     | when the method reads checkpoints         |                                  |
+| `horizon-replay`    | the same as `tail-replay`; tail: the      | context, then context + question |
+|                     | calibrated horizon                        |                                  |
 
-`tail-replay` runs at every plan budget through the request's own `replay_budget`. Every (context,
+A recovery method is any of `hybridkv.methods` (built in or registered under `hybridkv.recipes`)
+that declares it may run as vLLM resumes (`engine_resumable`): each request names it and its budget
+(`"method"`, `"replay_budget"` in its kv_transfer_params), so a budgeted one runs at every plan
+budget on one server. Every (context,
 method, budget) has a namespace of its own (`cache_salt`): no budget reads another's pages, and
 samples sharing only a prefix (RULER's haystacks) never resume from each other's (whose states
 would be the other sample's replayed, inexact ones). Samples sharing their whole context
@@ -56,11 +60,18 @@ from hybridkv.eval.arena import (
     scored_row,
 )
 from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
-from hybridkv.methods import Budget
+from hybridkv.methods import Budget, RecoveryMethod, recovery_methods
 
-SERVED_METHODS = ("no-context", "full", "vllm-prefix-cache", "tail-replay", "horizon-replay", "checkpoint")
-DEFAULT_SERVED_METHODS = SERVED_METHODS
+# Server configurations rather than recovery methods (the table above).
+ENGINE_CONFIGS = ("no-context", "full", "vllm-prefix-cache", "horizon-replay")
+DEFAULT_SERVED_METHODS = ("no-context", "full", "vllm-prefix-cache", "tail-replay", "horizon-replay", "checkpoint")
 DEFAULT_SERVED_BUDGETS = (Budget(fraction=0.05), Budget(fraction=0.2), Budget(fraction=1.0))
+
+
+def served_methods() -> dict[str, RecoveryMethod]:
+    """The recovery methods the connector can run, by name: those declaring `engine_resumable`
+    (`full` is a server configuration here)."""
+    return {name: m for name, m in recovery_methods().items() if m.engine_resumable and name not in ENGINE_CONFIGS}
 
 
 @dataclass(frozen=True)
@@ -79,29 +90,41 @@ class Served:
 def served_grid(plan: ArenaPlan, horizon: Callable[[], int]) -> list[Served]:
     """The servers a plan needs, in start order, each with its (method, budget) settings;
     `horizon()` gives the calibrated horizon (asked only when `horizon-replay` runs)."""
+    methods = served_methods()
     wanted: dict[str, list[tuple[str, Budget | None]]] = {}
     for entry in plan.methods:
         name, _, pinned = entry.partition("@")
-        if name not in SERVED_METHODS:
+        if name not in ENGINE_CONFIGS and name not in methods:
             raise HybridKVError(
-                f"--engine vllm serves methods {', '.join(SERVED_METHODS)}; {name!r} runs only in the harness"
+                f"--engine vllm serves {', '.join([*ENGINE_CONFIGS, *methods])}; {name!r} runs only in the harness"
             )
-        if pinned and name != "tail-replay":
+        uses_budget = name in methods and methods[name].uses_budget
+        if pinned and not uses_budget:
             raise HybridKVError(f"method {name!r} takes no budget, so {entry!r} names none to run")
-        if name == "tail-replay":
+        if name == "horizon-replay":
+            wanted[name] = [(name, Budget(tokens=horizon()))]
+        elif uses_budget:
             budgets = [Budget.parse(pinned)] if pinned else list(plan.budgets)
             wanted.setdefault(name, []).extend((name, b) for b in budgets)
-        elif name == "horizon-replay":
-            wanted[name] = [(name, Budget(tokens=horizon()))]
         else:
             wanted[name] = [(name, None)]
+    with_states = [name for name, m in methods.items() if m.uses_checkpoints]
+    without = [*(name for name in methods if name not in with_states), "horizon-replay"]
     servers = [
         Served("no-cache", True, tuple(s for m in ("full", "no-context") for s in wanted.get(m, []))),
         Served("vllm-prefix-cache", True, tuple(wanted.get("vllm-prefix-cache", []))),
-        Served("hybridkv", False, tuple(s for m in ("tail-replay", "horizon-replay") for s in wanted.get(m, []))),
-        Served("hybridkv", True, tuple(wanted.get("checkpoint", []))),
+        Served("hybridkv", False, tuple(s for m in without for s in wanted.get(m, []))),
+        Served("hybridkv", True, tuple(s for m in with_states for s in wanted.get(m, []))),
     ]
     return [server for server in servers if server.settings]
+
+
+def request_params(name: str, budget: Budget | None) -> dict | None:
+    """The kv_transfer_params a request of (method, budget) carries to the connector."""
+    if name in ("full", "no-context", "vllm-prefix-cache"):
+        return None
+    method = "tail-replay" if name == "horizon-replay" else name
+    return {"method": method, **({"replay_budget": str(budget)} if budget is not None else {})}
 
 
 @dataclass
@@ -241,7 +264,7 @@ def run_served_arena(
                     # Each context in a namespace of its own: samples that share only a prefix (RULER's
                     # haystacks) never resume from each other; those sharing the context share it.
                     salt = f"{name}-{budget}-{context_ids[tuple(context)]}"  # vLLM takes no "@" in a cache_salt
-                    params = {"replay_budget": str(budget)} if budget is not None else None
+                    params = request_params(name, budget)
                     if name == "no-context":
                         prompt = question
                     else:

@@ -26,8 +26,7 @@ import torch
 from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, state_key
 from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.errors import CorruptEntry
-from hybridkv.methods import Budget, PositionsMatch
-from hybridkv.methods.seeded_replay import SeededReplay
+from hybridkv.methods import Budget, PositionsMatch, RecoveryMethod
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
@@ -170,29 +169,30 @@ class BlockStore:
         return found
 
     def resume(
-        self, tokens: list[int], layout: Layout, state_layout: Layout, budget: Budget,
+        self, tokens: list[int], layout: Layout, state_layout: Layout, method: RecoveryMethod, budget: Budget,
         salt: str | None = None, horizon: int | None = None, alignment: int = 1,
     ) -> ResumePlan:  # fmt: skip
-        """Everything needed to resume `tokens`: the match, the start, the pages to load. A
-        `horizon` (the model's calibrated forgetting horizon, `hybridkv calibrate`) caps the
-        budget's tail: the gates have forgotten the dropped state by then. The start is a multiple
-        of `alignment` (GLM-5.3-Flash's indexer pool: no pool in progress at the start), so a
-        checkpoint off that grid is not used and a zero-state start moves down onto it."""
+        """Everything needed to resume `tokens` as `method`'s recipe says: the match, the start, the
+        pages to load. vLLM resumes at one position: KV of [0, start) loaded, the linear states at
+        start a stored checkpoint or zero, and it prefills [start, end) itself, so the recipe's state
+        position is the start (a method declares it may run so: `engine_resumable`). A `horizon` (the
+        model's calibrated forgetting horizon, `hybridkv calibrate`) caps the budget's tail: the
+        gates have forgotten the dropped state by then. The start is a multiple of `alignment`
+        (GLM-5.3-Flash's indexer pool: no pool in progress at the start), so a checkpoint off that
+        grid is not used and a zero-state start moves down onto it."""
         prompt = self._prompt(tokens, salt)
         found = self._match(prompt, layout)
         if horizon is not None:
             budget = Budget(tokens=min(horizon, budget.tail_tokens(found.length)))
-        # vLLM replays [start, end) itself from the state at start: seeded-replay's choice, a stored
-        # checkpoint inside the budget's tail when there is one, else the tail from zero state.
-        checkpoints = [c for c in found.checkpoints if c % alignment == 0]
-        first = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
-        if not first.state_seed and found.length:
+        checkpoints = [c for c in found.checkpoints if c % alignment == 0] if method.uses_checkpoints else []
+        first = method.recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
+        if method.uses_checkpoints and not first.state_seed and found.length:
             # a shorter stored prompt this one extends (a shared document) may hold a state at its end
             ends = self._walk.prompt_ends(prompt.keys, prompt.chain, prompt.wanted, first.state_position, found.length)
             checkpoints += [c for c in ends if c % alignment == 0]
         states, exact_states = None, False
-        while True:  # the latest checkpoint in the tail that reads, else the tail from zero state
-            recipe = SeededReplay().recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
+        while True:  # the checkpoint the recipe picks, if it reads; else its pick among those left
+            recipe = method.recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
             start = recipe.state_position
             if not recipe.state_seed:
                 break

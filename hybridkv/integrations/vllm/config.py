@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import HybridKVError
-from hybridkv.methods import Budget
+from hybridkv.methods import Budget, RecoveryMethod, get_method
 from hybridkv.models.calibration import calibrated_horizon
 
 
@@ -30,6 +30,11 @@ class ConnectorConfig:
     # `replay_budget`: a fraction of the match, or "256tok"; default 0.05. A request may set its own:
     # `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`
     replay_budget: Budget
+    # `method`: the recovery method whose recipe picks where a hit resumes (`hybridkv.methods`, or one
+    # registered under `hybridkv.recipes`); default "seeded-replay". A method that cannot run as the
+    # engine resumes (`engine_resumable` false) is refused at start. A request may name its own, as
+    # `"method"` beside `"replay_budget"` in its kv_transfer_params
+    method: RecoveryMethod
     # `replay_horizon`: a token count, or "calibrated" (the forgetting horizon `hybridkv calibrate`
     # wrote beside the model); it caps the budget's tail. None: the budget alone (the default), or a
     # calibration that found some layer remembering past its sample
@@ -78,6 +83,7 @@ class ConnectorConfig:
             )
         return cls(
             replay_budget=Budget.parse(str(extra.get("replay_budget", 0.05))),
+            method=engine_method(extra.get("method", "seeded-replay")),
             save_states=_flag(extra.get("save_states", True), "save_states"),
             replay_horizon=_replay_horizon(extra.get("replay_horizon"), model),
             store=_store(extra.get("store")),
@@ -89,10 +95,23 @@ class ConnectorConfig:
 
 # Every key `parse` reads (`max_held_mib` fills `max_held_bytes`).
 SETTINGS = frozenset(
-    {"store", "replay_budget", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
+    {"store", "replay_budget", "method", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
      "shadow_floor", "shadow_window", "shadow_ladder", "shadow_on_error",
      "shadow_log"}
 )  # fmt: skip
+
+
+def engine_method(setting) -> RecoveryMethod:
+    """The recovery method named `setting`, refused in one line unless it may run as vLLM resumes."""
+    if not isinstance(setting, str):
+        raise HybridKVError(f"method {setting!r}: a recovery method's name")
+    method = get_method(setting)
+    if not method.engine_resumable:
+        raise HybridKVError(
+            f"method {setting!r} cannot run in vLLM: its recipe needs more than loading the KV before its state "
+            "position and prefilling the rest (engine_resumable is false)"
+        )
+    return method
 
 
 def _store(setting) -> str:

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from hybridkv.cache.prefix_index import common_length
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
-from hybridkv.integrations.vllm.config import ConnectorConfig
+from hybridkv.integrations.vllm.config import ConnectorConfig, engine_method
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
 from hybridkv.integrations.vllm.shadow import (
@@ -35,9 +35,13 @@ from hybridkv.integrations.vllm.shadow import (
 )
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
 from hybridkv.integrations.vllm.worker_side import drain_local_saves
-from hybridkv.methods import Budget
+from hybridkv.methods import Budget, RecoveryMethod
+from hybridkv.methods.seeded_replay import SeededReplay
 
 log = logging.getLogger("hybridkv.vllm")
+# Above the ladder's first rung the configured method gives way: seeded-replay at a longer tail, then
+# an exact stored state anywhere in the match (`shadow.ShadowGuard`).
+LADDER_METHOD = SeededReplay()
 
 
 @dataclass
@@ -225,19 +229,23 @@ class SchedulerSide(ConnectorSide):
     def _look_up(self, request) -> _Lookup:
         """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
         attention, states = self._layouts()
-        budget, horizon = self._request_budget(request), self.config.replay_horizon
+        method, budget, horizon = (
+            self._request_method(request),
+            self._request_budget(request),
+            self.config.replay_horizon,
+        )
         guard = self.shadow_guard
         rung = guard.effective_rung
         if rung >= guard.top:  # the ladder's top: nothing is read
             return _Lookup(0, 0, rung=rung)
         if rung >= guard.exact_rung:  # the whole match is in reach: an exact stored state anywhere in it
-            budget, horizon = Budget(fraction=1.0), None
+            method, budget, horizon = LADDER_METHOD, Budget(fraction=1.0), None
         elif rung > 0:
-            budget, horizon = guard.tails[rung - 1], None
+            method, budget, horizon = LADDER_METHOD, guard.tails[rung - 1], None
         try:
             drain_local_saves()  # this process's own saves first (see worker_side._Writer)
             resume = self.blocks.resume(
-                list(request.prompt_token_ids), attention, states, budget,
+                list(request.prompt_token_ids), attention, states, method, budget,
                 getattr(request, "cache_salt", None), horizon, self.pool_alignment,
             )  # fmt: skip
             if rung >= guard.exact_rung and resume.start and not resume.exact:
@@ -251,6 +259,17 @@ class SchedulerSide(ConnectorSide):
         except Exception:  # never take the engine down over a cache: recompute instead
             log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
             return _Lookup(0, 0, rung=rung)
+
+    def _request_method(self, request) -> RecoveryMethod:
+        method = self.config.method
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if "method" not in params:
+            return method
+        try:
+            return engine_method(params["method"])
+        except HybridKVError as err:
+            log.warning("hybridkv: request %s: %s; using the engine's method %s", request.request_id, err, method.name)
+            return method
 
     def _request_budget(self, request) -> Budget:
         budget = self.config.replay_budget
