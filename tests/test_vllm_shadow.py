@@ -218,7 +218,8 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
         ConnectorConfig.parse({"replay_bugdet": 0.2}, "model")
     valid = {"store": "file:///tmp/x", "replay_budget": 0.2, "method": "adaptive-replay", "replay_horizon": 64,
              "cache_salt": "a", "save_states": False, "max_held_mib": 8, "shadow_rate": 0.5, "shadow_floor": 0.3,
-             "shadow_window": 5, "shadow_ladder": ["0.4"], "shadow_on_error": "exact", "shadow_log": "/tmp/checks.jsonl"}  # fmt: skip
+             "shadow_window": 5, "shadow_ladder": ["0.4"], "shadow_on_error": "exact",
+             "shadow_log": "/tmp/checks.jsonl"}  # fmt: skip
     assert set(valid) == SETTINGS
     config = ConnectorConfig.parse(valid, "model")
     assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
