@@ -4,7 +4,7 @@ A check of a served answer is one forward of prompt + answer (the LM head at eve
 a zero-state resume's first-token check adds a prefill of [0, s) and [s, end) twice. The request
 itself computed only [reused, end) and decoded its answer. Where every request looks alike, a
 sample rate r spends r x check / request of the engine's compute on checks: the rate that keeps
-that at 5% is 0.05 x request / check. FLOPs from `hybridkv.models.arch.cost_model` (the config's
+that at 5% is 0.05 x request / check. FLOPs from `hybridkv.models.meta.cost_model` (the config's
 modules on the meta device; no weights). Prints a markdown table.
 
 .venv/bin/python benchmarks/shadow_cost.py [--answer-tokens 256]
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from hybridkv.eval.plan import GLM_5_3_FLASH, load_config
-from hybridkv.models.arch import cost_model
+from hybridkv.models.meta import cost_model
 
 
 def main() -> None:

@@ -702,7 +702,8 @@ def _placement(args: argparse.Namespace, dtype):
     """One GPU or several for a checkpoint, from the memory arithmetic, printed before loading."""
     from transformers import AutoConfig
 
-    from hybridkv.models.placement import checkpoint_parameters, choose_placement, free_gpu_memory, memory_plan
+    from hybridkv.models.meta import memory_plan
+    from hybridkv.models.placement import checkpoint_parameters, choose_placement, free_gpu_memory
 
     directory = Path(args.model)
     try:

@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoConfig
 
 from hybridkv import HybridKVError
-from hybridkv.models.arch import ARCHITECTURES, architecture_for, by_name, cache_sizes, cost_model
+from hybridkv.models.arch import ARCHITECTURES, architecture_for, by_name
+from hybridkv.models.meta import cache_sizes, cost_model
 from hybridkv.models.tiny import RANDOM_MODELS
 from hybridkv.train.shapes import TRAINABLE
 from tests.families import FAMILIES

@@ -132,6 +132,44 @@ def test_packages_import_only_lower_layers() -> None:
     assert not wrong, "; ".join(wrong)
 
 
+# What an architecture module may build on (docs/design.md): the registry and the loader come after it.
+ARCH_DEPENDS_ON = {"hybridkv.errors", "hybridkv.models.arch.base", "hybridkv.models.cost", "hybridkv.models.gates",
+                   "hybridkv.models.rope"}  # fmt: skip
+
+
+def test_models_has_no_import_cycle_and_no_import_hidden_in_a_function() -> None:
+    """models/ imports at module level only (an import inside a function is how a cycle hides), and
+    the modules' import graph has no cycle; architecture modules build on ARCH_DEPENDS_ON alone."""
+    graph: dict[str, set[str]] = {}
+    hidden = []
+    for path in sorted((ROOT / "hybridkv" / "models").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imports = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        graph[module] = {name for name in imports if name.startswith("hybridkv.models")} - {module}
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+            hidden += [f"{module}.{function.name} imports {node.module}" for node in ast.walk(function)
+                       if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybridkv")]  # fmt: skip
+        if module.startswith("hybridkv.models.arch.") and module != "hybridkv.models.arch.base":
+            assert {n for n in imports if n.startswith("hybridkv")} <= ARCH_DEPENDS_ON, module
+    assert not hidden, "; ".join(hidden)
+    # A package's submodules import it first (its __init__), so `arch.x -> arch` is not a cycle.
+    edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in edges.get(module, ()):
+            assert state.get(dep) != 1, f"import cycle: {' -> '.join([*path, module, dep])}"
+            if dep not in state:
+                visit(dep, [*path, module])
+        state[module] = 2
+
+    for module in edges:
+        if module not in state:
+            visit(module, [])
+
+
 def test_readme_is_short() -> None:
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
 

@@ -297,7 +297,7 @@ def test_glm5_3_flash_cache_sizes():
     # the library's own modules at full size, on the meta device, cache exactly that
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
-    from hybridkv.models.arch import cache_sizes
+    from hybridkv.models.meta import cache_sizes
 
     meta = cache_sizes(Glm5NextTextConfig())
     assert (meta.linear_layers, meta.attention_layers) == (34, 11)

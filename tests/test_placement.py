@@ -11,7 +11,7 @@ from hybridkv.cache import capture_prompt
 from hybridkv.cache.prefix_cache import CachedMatch
 from hybridkv.methods.base import Recipe, execute
 from hybridkv.models import load_model
-from hybridkv.models.arch import cache_sizes
+from hybridkv.models.meta import cache_sizes, memory_plan
 from hybridkv.models.placement import (
     GIB,
     USABLE,
@@ -19,7 +19,6 @@ from hybridkv.models.placement import (
     Placement,
     checkpoint_parameters,
     choose_placement,
-    memory_plan,
 )
 from tests.families import FAMILIES, save_random_checkpoint
 

@@ -9,8 +9,9 @@ import torch
 
 from hybridkv.cli import main
 from hybridkv.eval.plan import Workload, load_config, make_plan
-from hybridkv.models.arch import ARCHITECTURES, cache_sizes, cost_model
+from hybridkv.models.arch import ARCHITECTURES
 from hybridkv.models.cost import H200, LayerCost, _attended
+from hybridkv.models.meta import cache_sizes, cost_model
 
 
 @pytest.mark.parametrize("cap", [None, 1, 7, 50, 1000])

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from hybridkv import HybridKVError
-from hybridkv.models.adapter import read_kv
-from hybridkv.models.rope import shift_kv
+from hybridkv.models.adapter import read_kv, shift_kv
 from tests.conftest import random_tokens
 
 # rotary attention (qwen3-next: partial RoPE; olmo-hybrid) and NoPE attention (the others)

@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.models import load_model
-from hybridkv.models.arch import cost_model
+from hybridkv.models.meta import cost_model
 
 
 def test_ttft_rows_carry_the_bound_of_each_methods_recomputed_span(tmp_path, capsys):

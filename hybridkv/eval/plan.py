@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods import METHODS, Budget, PositionsMatch
-from hybridkv.models.arch import cache_sizes, cost_model
 from hybridkv.models.cost import H200
+from hybridkv.models.meta import cache_sizes, cost_model
 
 GLM_5_3_FLASH = "glm-5.3-flash"
 

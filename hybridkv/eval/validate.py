@@ -31,8 +31,8 @@ from hybridkv.eval.metrics import greedy_agreement, kl_mean, top1_agreement
 from hybridkv.methods import METHODS, Budget, RecoveryMethod, dropped_state_bound, execute, get_method
 from hybridkv.methods.full import Full
 from hybridkv.models import BUILTIN_MODELS, DEFAULT_MODEL, HybridModel
-from hybridkv.models.arch import cost_model
 from hybridkv.models.cost import CostModel
+from hybridkv.models.meta import cost_model
 from hybridkv.store import GuardedStore, open_store
 
 

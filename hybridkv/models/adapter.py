@@ -40,6 +40,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.models.arch import architecture_for
 from hybridkv.models.describe import LayerSpec, ModelDescription
 from hybridkv.models.kv import LayerKV, LinearState, LinearStates, PromptKV
+from hybridkv.models.rope import no_shift
 
 # Token-indexed tensors an attention cache layer holds, and the dimension that counts tokens.
 ATTENTION_TENSORS: dict[str, int] = {"keys": -2, "values": -2}
@@ -455,3 +456,16 @@ def kv_at_first_attention(description: ModelDescription, cache: DynamicCache) ->
         layer.stop_here = None
     if not captured:
         raise HybridKVError("the first attention layer never received its KV: the forward did not reach it")
+
+
+def shift_kv(model, kv: PromptKV, delta: int) -> PromptKV:
+    """`kv` (of `model`) moved `delta` positions later: keys re-rotated, everything else as stored."""
+    arch = architecture_for(model.config)
+    if arch is None or arch.shift_keys is None:
+        raise HybridKVError(
+            f"position correction is not known for {model.config.model_type}: its architecture module does not say "
+            "how its keys carry positions"
+        )
+    if delta == 0 or arch.shift_keys is no_shift:
+        return kv
+    return kv.map(lambda name, t, _dim: arch.shift_keys(model.backbone, t, delta) if name == "keys" else t)

@@ -3,7 +3,7 @@ memory arithmetic, which is shown before anything is loaded.
 
 The arithmetic needs no weights: the checkpoint's safetensors headers give every tensor's shape
 (the bytes follow from the load dtype), and the library's own modules on the meta device give
-the cache per token and the linear states (`hybridkv.models.arch.cache_sizes`). A model that
+the cache per token and the linear states (`hybridkv.models.meta.cache_sizes`). A model that
 fits one GPU with its cache loads there; one that does not is spread layer by layer over every
 GPU by transformers' `device_map="auto"` (accelerate), each GPU keeping room for its share of
 the cache.
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedConfig
 
 from hybridkv.errors import HybridKVError
 
@@ -71,15 +70,6 @@ class MemoryPlan:
             f"linear states {self.state_bytes / 2**20:9.1f} MiB per set, x2",
             f"total         {self.total_bytes / GIB:9.2f} GiB",
         ]
-
-
-def memory_plan(config: PreTrainedConfig, parameters: int, dtype: torch.dtype, context_tokens: int) -> MemoryPlan:
-    from hybridkv.models.arch import cache_sizes
-
-    sizes = cache_sizes(config, dtype)
-    return MemoryPlan(
-        parameters * dtype.itemsize, sizes.kv_bytes_per_token, sizes.state_bytes_per_checkpoint, context_tokens
-    )
 
 
 @dataclass(frozen=True)

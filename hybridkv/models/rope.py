@@ -16,9 +16,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridkv.errors import HybridKVError
-from hybridkv.models.kv import PromptKV
-
 # (decoder, keys [batch, heads, tokens, dim], δ) -> the keys δ positions later
 KeyShift = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
 
@@ -44,18 +41,3 @@ def rope_shift(modeling: str) -> KeyShift:
         return shifted
 
     return shift
-
-
-def shift_kv(model, kv: PromptKV, delta: int) -> PromptKV:
-    """`kv` (of `model`) moved `delta` positions later: keys re-rotated, everything else as stored."""
-    from hybridkv.models.arch import architecture_for
-
-    arch = architecture_for(model.config)
-    if arch is None or arch.shift_keys is None:
-        raise HybridKVError(
-            f"position correction is not known for {model.config.model_type}: its architecture module does not say "
-            "how its keys carry positions"
-        )
-    if delta == 0 or arch.shift_keys is no_shift:
-        return kv
-    return kv.map(lambda name, t, _dim: arch.shift_keys(model.backbone, t, delta) if name == "keys" else t)

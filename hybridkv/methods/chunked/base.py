@@ -30,9 +30,8 @@ from transformers import DynamicCache
 from hybridkv.cache.assemble import zero_states
 from hybridkv.cache.chunks import EncodedChunk
 from hybridkv.models import HybridModel
-from hybridkv.models.adapter import read_states, write_kv, write_states
+from hybridkv.models.adapter import read_states, shift_kv, write_kv, write_states
 from hybridkv.models.kv import LinearStates
-from hybridkv.models.rope import shift_kv
 
 
 class AttentionPolicy(Protocol):

@@ -21,8 +21,7 @@ import torch
 from hybridkv.cache.chunks import EncodedChunk
 from hybridkv.methods.chunked.base import top_within_budget
 from hybridkv.models import HybridModel
-from hybridkv.models.adapter import kv_at_first_attention
-from hybridkv.models.rope import shift_kv
+from hybridkv.models.adapter import kv_at_first_attention, shift_kv
 
 DEFAULT_RATIO = 0.15
 # A token whose KV is off by less than this (squared, relative to its squared norm) has nothing to

@@ -27,9 +27,8 @@ import torch
 from hybridkv.cache.chunks import EncodedChunk
 from hybridkv.methods.chunked.base import top_within_budget
 from hybridkv.models import HybridModel
-from hybridkv.models.adapter import write_kv, write_states
+from hybridkv.models.adapter import shift_kv, write_kv, write_states
 from hybridkv.models.kv import PromptKV
-from hybridkv.models.rope import shift_kv
 
 DEFAULT_RATIO = 0.2
 
