@@ -23,10 +23,10 @@ import statistics
 import uuid
 from pathlib import Path
 
-from hybridkv.integrations.vllm.bench import BenchPlan, _flat, _percentile, _run, prompt_tokens
-from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
-from hybridkv.integrations.vllm.workloads import Shape, make_sessions
 from hybridkv.models.tiny import WEIGHTS_DIR
+from hybridkv.serving.bench import BenchPlan, _flat, _percentile, _run, prompt_tokens
+from hybridkv.serving.server import Server, ServerSpec, settle_shadow_checks
+from hybridkv.serving.traffic import Shape, make_sessions
 
 
 def _warm_shadow(server: Server, plan: BenchPlan) -> None:

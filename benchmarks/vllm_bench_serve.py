@@ -22,8 +22,8 @@ import json
 import shutil
 from pathlib import Path
 
-from hybridkv.integrations.vllm.serve import Server, ServerSpec
 from hybridkv.models.tiny import WEIGHTS_DIR
+from hybridkv.serving.server import Server, ServerSpec
 
 # (name, `vllm bench serve` flags): repeated prefixes with distinct suffixes, and one long prefix
 # every request shares; prompts of random tokens, 16 generated tokens each. Each concurrency draws

@@ -132,14 +132,14 @@ def _build_parser() -> argparse.ArgumentParser:
     from hybridkv.eval.arena import ArenaPlan
     from hybridkv.eval.calibrate import CalibrateConfig
     from hybridkv.eval.contract import ArenaConfig
-    from hybridkv.eval.plan import GLM_5_3_FLASH, Workload
+    from hybridkv.eval.plan import GLM_5_3_FLASH, Deployment
     from hybridkv.eval.probe import ProbeConfig
     from hybridkv.eval.ttft import TTFTConfig
     from hybridkv.eval.validate import ValidateConfig
-    from hybridkv.integrations.vllm.bench import BenchPlan
-    from hybridkv.integrations.vllm.models import DEFAULT_BENCH_MODEL
-    from hybridkv.integrations.vllm.serve import ADAPTIVE
-    from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape
+    from hybridkv.serving.bench import BenchPlan
+    from hybridkv.serving.models import DEFAULT_BENCH_MODEL
+    from hybridkv.serving.server import ADAPTIVE
+    from hybridkv.serving.traffic import TRAFFIC, Shape
     from hybridkv.train.loop import TrainConfig
 
     defaults = _Defaults
@@ -314,7 +314,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model", default=GLM_5_3_FLASH, help=f"{GLM_5_3_FLASH}, a built-in tiny model, or a checkpoint dir"
     )
-    _add_fields(plan, Workload, budgets={"type": BUDGET_TEXTS})
+    _add_fields(plan, Deployment, budgets={"type": BUDGET_TEXTS})
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     bench_vllm = commands.add_parser(
@@ -341,7 +341,7 @@ def _build_parser() -> argparse.ArgumentParser:
     server_budget = comma_list(lambda text: text if text == ADAPTIVE else _budget_text(text), "budgets or adaptive")
     _add_fields(
         bench_vllm, BenchPlan,
-        workloads={"type": comma_list(str, "server workloads", choices=SERVER_WORKLOADS)},
+        workloads={"type": comma_list(str, "server workloads", choices=TRAFFIC)},
         budgets={"type": server_budget},
     )  # fmt: skip
     _add_fields(bench_vllm, Shape)
@@ -447,9 +447,9 @@ def _ttft(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hybridkv.eval.plan import Workload, make_plan, plan_table
+    from hybridkv.eval.plan import Deployment, make_plan, plan_table
 
-    workload = _config(Workload, args)
+    workload = _config(Deployment, args)
     if min([*workload.prefix_lengths, workload.suffix_tokens, *workload.intervals]) < 1:
         raise HybridKVError("prefix lengths, suffix tokens and intervals must be positive")
     if workload.new_prefixes_per_s < 0 or workload.retention_s < 0:
@@ -472,9 +472,9 @@ def _vllm_bench(args: argparse.Namespace) -> None:
     if not 64 <= args.min_prefix <= args.max_prefix:
         raise HybridKVError(f"--min-prefix {args.min_prefix} / --max-prefix {args.max_prefix}: need 64 <= min <= max")
     try:
-        from hybridkv.integrations.vllm.bench import BenchPlan, run_bench
-        from hybridkv.integrations.vllm.models import bench_checkpoint
-        from hybridkv.integrations.vllm.workloads import Shape
+        from hybridkv.serving.bench import BenchPlan, run_bench
+        from hybridkv.serving.models import bench_checkpoint
+        from hybridkv.serving.traffic import Shape
     except ImportError as err:
         raise HybridKVError(f"vllm-bench needs vLLM: pip install 'hybridkv[vllm]' ({err})") from err
     model = str(bench_checkpoint(args.model, args.out))
@@ -581,7 +581,7 @@ def _arena(args: argparse.Namespace) -> None:
     budgets = args.budgets
     served = args.engine == "vllm"
     if served:
-        from hybridkv.integrations.vllm.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS, served_grid
+        from hybridkv.serving.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS, served_grid
 
         defaults = ArenaPlan()
         methods = list(DEFAULT_SERVED_METHODS) if methods == defaults.methods else methods
@@ -603,7 +603,7 @@ def _arena(args: argparse.Namespace) -> None:
 
     dtype = args.dtype  # what the answers were computed in, for run.json
     if served:
-        from hybridkv.integrations.vllm.serve import SERVED_DTYPE
+        from hybridkv.serving.server import SERVED_DTYPE
 
         if args.dtype != "float32":  # the harness's --dtype, at its default
             raise HybridKVError(f"--dtype {args.dtype}: vllm serve runs the model in {SERVED_DTYPE} here; leave it out")
@@ -630,8 +630,8 @@ def _arena(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         freeze(samples, frozen)
     if served:
-        from hybridkv.integrations.vllm.arena import run_served_arena
-        from hybridkv.integrations.vllm.bench import ensure_calibrated
+        from hybridkv.serving.arena import run_served_arena
+        from hybridkv.serving.bench import ensure_calibrated
 
         record_run(args.out, device="vllm serve (cpu)", **run_options)
         run_served_arena(

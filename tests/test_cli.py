@@ -14,12 +14,12 @@ from hybridkv.cli import BUDGETS, INTS, NAMES, _add_fields, _build_parser, _conf
 from hybridkv.eval.arena import ArenaPlan
 from hybridkv.eval.calibrate import CalibrateConfig
 from hybridkv.eval.contract import ArenaConfig
-from hybridkv.eval.plan import Workload
+from hybridkv.eval.plan import Deployment
 from hybridkv.eval.ttft import TTFTConfig
 from hybridkv.eval.validate import ValidateConfig
-from hybridkv.integrations.vllm.bench import BenchPlan
-from hybridkv.integrations.vllm.workloads import Shape
 from hybridkv.methods import Budget
+from hybridkv.serving.bench import BenchPlan
+from hybridkv.serving.traffic import Shape
 from hybridkv.train.loop import TrainConfig
 
 
@@ -33,7 +33,7 @@ def _defaults(*argv: str):
         (["validate"], lambda a: _config(ValidateConfig, a), ValidateConfig()),
         (["ttft"], lambda a: _config(TTFTConfig, a), TTFTConfig()),
         (["calibrate"], lambda a: _config(CalibrateConfig, a), CalibrateConfig()),
-        (["plan"], lambda a: _config(Workload, a), Workload()),
+        (["plan"], lambda a: _config(Deployment, a), Deployment()),
         (["arena", "run"], lambda a: _config(ArenaPlan, a), ArenaPlan()),
         (["arena", "run"], lambda a: _config(ArenaConfig, a), ArenaConfig()),
         (["vllm-bench"], lambda a: _config(BenchPlan, a, model="m", shape=_config(Shape, a)), BenchPlan("m")),
@@ -58,13 +58,13 @@ def _help(capsys, *argv: str) -> str:
 
 def test_a_default_changed_in_the_config_shows_in_help_and_is_parsed(monkeypatch, capsys):
     monkeypatch.setattr(ValidateConfig.__dataclass_fields__["suffix_length"], "default", 99)
-    monkeypatch.setattr(Workload.__dataclass_fields__["prefix_lengths"], "default", (4096, 512))
+    monkeypatch.setattr(Deployment.__dataclass_fields__["prefix_lengths"], "default", (4096, 512))
     assert "--suffix-length SUFFIX_LENGTH new tokens after the match (fidelity positions) (default: 99)" in _help(
         capsys, "validate"
     )
     assert "--prefix-lengths PREFIX_LENGTHS matched prefix lengths (default: 4096,512)" in _help(capsys, "plan")
     assert _defaults("validate").suffix_length == 99
-    assert _config(Workload, _defaults("plan")).prefix_lengths == (4096, 512)
+    assert _config(Deployment, _defaults("plan")).prefix_lengths == (4096, 512)
 
 
 @pytest.mark.parametrize(

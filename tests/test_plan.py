@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridkv.cli import main
-from hybridkv.eval.plan import Workload, load_config, make_plan
+from hybridkv.eval.plan import Deployment, load_config, make_plan
 from hybridkv.models.arch import ARCHITECTURES
 from hybridkv.models.cost import H200, LayerCost, _attended
 from hybridkv.models.meta import cache_sizes, cost_model
@@ -46,7 +46,7 @@ def test_dsa_caps_attention_but_not_the_indexer():
 
 
 def test_glm_plan_matches_hand_arithmetic():
-    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(32768,), intervals=(3584,), budgets=("0.05",)))
+    plan = make_plan("glm-5.3-flash", Deployment(prefix_lengths=(32768,), intervals=(3584,), budgets=("0.05",)))
     per_layer_kv = (512 + 0 + 2 * 128 + 1) * 2  # MLA latent + DSA indexer key/gate/flag, bf16
     state = 64 * 128 * 128 * 4 + 3 * 64 * 128 * 4 * 2  # KDA recurrent (float32) + q/k/v short-conv windows
     assert plan.kv_bytes_per_token == 11 * per_layer_kv == 16918
@@ -61,7 +61,7 @@ def test_glm_plan_matches_hand_arithmetic():
 
 
 def test_predicted_speedups_order_as_the_recomputed_tokens():
-    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(16384,), budgets=("0.02", "0.05", "0.1")))
+    plan = make_plan("glm-5.3-flash", Deployment(prefix_lengths=(16384,), budgets=("0.02", "0.05", "0.1")))
     ordered = sorted(plan.predictions, key=lambda p: p["recomputed_tokens"])
     speedups = [p["predicted_speedup"] for p in ordered]
     assert speedups == sorted(speedups, reverse=True) and speedups[-1] == 1.0
@@ -126,6 +126,6 @@ def test_roofline_time_is_the_slower_of_compute_and_memory():
 
 
 def test_plan_reports_the_roofline_beside_the_flop_ratio():
-    plan = make_plan("glm-5.3-flash", Workload(prefix_lengths=(32768,)))
+    plan = make_plan("glm-5.3-flash", Deployment(prefix_lengths=(32768,)))
     for p in plan.predictions:
         assert 1.0 <= p["roofline_speedup"] <= p["predicted_speedup"] * (1 + 1e-9), p

@@ -73,9 +73,9 @@ def test_the_readme_method_runs_in_vllm_serve(last_128, tmp_path):
     through the same entry point) resumes each question 128 tokens before the stored context's end."""
     pytest.importorskip("vllm")
     from hybridkv.eval.workloads import get_workload
-    from hybridkv.integrations.vllm.arena import run_served_arena
     from hybridkv.models.tiny import WEIGHTS_DIR
     from hybridkv.models.tokenizer import load_tokenizer
+    from hybridkv.serving.arena import run_served_arena
 
     model = WEIGHTS_DIR / "tiny-qwen3-next-vllm"
     tokenizer = load_tokenizer(str(model))

@@ -22,12 +22,12 @@ from hybridkv.errors import HybridKVError  # noqa: E402
 from hybridkv.eval.arena import ArenaPlan, read_rows  # noqa: E402
 from hybridkv.eval.metrics import kl_mean  # noqa: E402
 from hybridkv.eval.workloads import get_workload  # noqa: E402
-from hybridkv.integrations.vllm.arena import run_served_arena, served_grid  # noqa: E402
-from hybridkv.integrations.vllm.bench import first_token_fidelity  # noqa: E402
-from hybridkv.integrations.vllm.serve import Server, ServerSpec  # noqa: E402
 from hybridkv.methods import Budget  # noqa: E402
 from hybridkv.models.tiny import WEIGHTS_DIR  # noqa: E402
 from hybridkv.models.tokenizer import load_tokenizer  # noqa: E402
+from hybridkv.serving.arena import run_served_arena, served_grid  # noqa: E402
+from hybridkv.serving.bench import first_token_fidelity  # noqa: E402
+from hybridkv.serving.server import Server, ServerSpec  # noqa: E402
 from hybridkv.store.codec import Entry, decode, encode  # noqa: E402
 
 MODEL = WEIGHTS_DIR / "tiny-qwen3-next-vllm"
@@ -313,7 +313,7 @@ def test_a_scrambled_state_or_attention_page_moves_what_the_server_answers(needl
 def test_layer_counts_come_from_every_servable_family_s_config():
     """Nemotron-H's config.json names its layers in `layers_block_type`, with no `num_hidden_layers`:
     the served arena must count them as transformers does, or it fails before serving."""
-    from hybridkv.integrations.vllm.arena import _model_facts
+    from hybridkv.serving.arena import _model_facts
 
     for name in ("tiny-qwen3-next-vllm", "tiny-nemotron-h"):
         raw = json.loads((WEIGHTS_DIR / name / "config.json").read_text())
@@ -326,9 +326,9 @@ def test_layer_counts_come_from_every_servable_family_s_config():
 def test_the_served_grid_comes_from_the_methods_declarations(monkeypatch):
     """A server per configuration; a recovery method reaches vLLM when it declares it may run as
     vLLM resumes, on the server storing states when it reads checkpoints; its requests name it."""
-    from hybridkv.integrations.vllm.arena import request_params
     from hybridkv.methods import METHODS
     from hybridkv.methods.tail_replay import TailReplay
+    from hybridkv.serving.arena import request_params
 
     for name in ("epic+linearkv", "nope"):
         with pytest.raises(HybridKVError, match="runs only in the harness"):

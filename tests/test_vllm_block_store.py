@@ -223,7 +223,7 @@ def test_a_requests_cache_salt_is_its_own_namespace(blocks):
 
 
 def test_first_token_fidelity_from_top_k_logprobs():
-    from hybridkv.integrations.vllm.bench import first_token_fidelity
+    from hybridkv.serving.bench import first_token_fidelity
 
     reference = {1: math.log(0.5), 2: math.log(0.3)}  # 0.2 left for every other token
     assert first_token_fidelity(reference, dict(reference)) == (1.0, 0.0)
@@ -251,7 +251,7 @@ def test_vllm_bench_rejects_bad_options_before_starting_vllm(capsys):
 
 
 def test_server_workloads_share_prefixes_where_they_say_and_differ_per_client_count():
-    from hybridkv.integrations.vllm.workloads import Shape, make_sessions
+    from hybridkv.serving.traffic import Shape, make_sessions
 
     shape = Shape(min_prefix=300, max_prefix=3000, requests=24, block_size=384)
 
@@ -273,10 +273,10 @@ def test_server_workloads_share_prefixes_where_they_say_and_differ_per_client_co
 
 
 def test_a_trained_model_is_sent_text_and_a_random_weight_model_random_ids(tmp_path):
-    from hybridkv.integrations.vllm.bench import prompt_tokens
-    from hybridkv.integrations.vllm.models import DEFAULT_BENCH_MODEL, bench_checkpoint
-    from hybridkv.integrations.vllm.workloads import Shape, Tokens, make_sessions
     from hybridkv.models.tokenizer import load_tokenizer
+    from hybridkv.serving.bench import prompt_tokens
+    from hybridkv.serving.models import DEFAULT_BENCH_MODEL, bench_checkpoint
+    from hybridkv.serving.traffic import Shape, Tokens, make_sessions
 
     shape = Shape(min_prefix=300, max_prefix=3000, requests=12, block_size=384)
     trained = bench_checkpoint(DEFAULT_BENCH_MODEL, tmp_path)
@@ -297,8 +297,8 @@ def test_a_trained_model_is_sent_text_and_a_random_weight_model_random_ids(tmp_p
 
 
 def test_vllm_bench_summary_report_and_plot(tmp_path):
-    from hybridkv.integrations.vllm.bench import BenchPlan, plot, report, summarise
-    from hybridkv.integrations.vllm.serve import Reply
+    from hybridkv.serving.bench import BenchPlan, plot, report, summarise
+    from hybridkv.serving.server import Reply
 
     def replies(ttft, top, cached=0, hybridkv=None):
         one = Reply(ttft, {top: -0.1, 9: -3.0}, 100, cached, hybridkv)
@@ -338,8 +338,8 @@ def test_vllm_bench_summary_report_and_plot(tmp_path):
 def test_cold_requests_are_those_no_cache_reused_a_token_on_and_are_reported_apart():
     """A prefix's first request is prefilled in full by every configuration: the align-mode table
     gives hybridkv's TTFT share on those and the ratio over the rest, which is what a cache can change."""
-    from hybridkv.integrations.vllm.bench import BenchPlan, report, summarise
-    from hybridkv.integrations.vllm.serve import Reply
+    from hybridkv.serving.bench import BenchPlan, report, summarise
+    from hybridkv.serving.server import Reply
 
     def run(ttfts, reused, connector=False):
         made = [
@@ -369,8 +369,8 @@ def test_cold_requests_are_those_no_cache_reused_a_token_on_and_are_reported_apa
 def test_clear_lead_top1_counts_flips_on_a_clear_lead_and_leaves_out_near_ties():
     """The split noise is the largest logprob gap between vLLM's own cache and vLLM alone; a
     request counts in `top1_clear` only where the reference's lead exceeds twice it."""
-    from hybridkv.integrations.vllm.bench import BenchPlan, report, split_noise, summarise
-    from hybridkv.integrations.vllm.serve import Reply
+    from hybridkv.serving.bench import BenchPlan, report, split_noise, summarise
+    from hybridkv.serving.server import Reply
 
     # The reference's first-token logprobs (binary fractions: every difference below is exact).
     reference = [
@@ -456,7 +456,7 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
 def test_a_bench_model_directory_holding_another_bench_model_is_refused(tmp_path):
     pytest.importorskip("vllm")
     from hybridkv.errors import HybridKVError
-    from hybridkv.integrations.vllm.models import write_servable
+    from hybridkv.serving.models import write_servable
 
     path = write_servable(tmp_path / "model", "grid-640")
     assert write_servable(path, "grid-640") == path  # the same model: reused as written

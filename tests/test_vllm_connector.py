@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from hybridkv.integrations.vllm.models import write_servable  # noqa: E402
+from hybridkv.serving.models import write_servable  # noqa: E402
 from tests.helpers import flip_one_weight_in_the_middle  # noqa: E402
 
 TOP = 5

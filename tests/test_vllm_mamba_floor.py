@@ -17,8 +17,8 @@ pytest.importorskip("vllm")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from hybridkv.eval.workloads import get_workload  # noqa: E402
-from hybridkv.integrations.vllm.serve import Server, ServerSpec  # noqa: E402
 from hybridkv.models.tokenizer import load_tokenizer  # noqa: E402
+from hybridkv.serving.server import Server, ServerSpec  # noqa: E402
 
 MODEL = Path(__file__).parent.parent / "hybridkv" / "models" / "weights" / "tiny-nemotron-h"
 

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridkv.integrations.vllm.bench import SUMMARY_FIELDS, BenchPlan, run_bench  # noqa: E402
-from hybridkv.integrations.vllm.models import BENCH_MODELS, gdn_grid_block, write_servable  # noqa: E402
-from hybridkv.integrations.vllm.serve import Server, ServerSpec, complete  # noqa: E402
-from hybridkv.integrations.vllm.workloads import Shape  # noqa: E402
+from hybridkv.serving.bench import SUMMARY_FIELDS, BenchPlan, run_bench  # noqa: E402
+from hybridkv.serving.models import BENCH_MODELS, gdn_grid_block, write_servable  # noqa: E402
+from hybridkv.serving.server import Server, ServerSpec, complete  # noqa: E402
+from hybridkv.serving.traffic import Shape  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_a_store_killed_under_16_clients_leaves_every_request_answered_and_count
     import asyncio
     import random
 
-    from hybridkv.integrations.vllm.serve import run_sessions
+    from hybridkv.serving.server import run_sessions
 
     rng = random.Random(11)
     systems = [[rng.randrange(3, 500) for _ in range(700)] for _ in range(4)]
@@ -205,7 +205,7 @@ def test_shadow_checks_every_kind_and_the_first_token_of_zero_state_resumes_only
 
     import httpx
 
-    from hybridkv.integrations.vllm.serve import settle_shadow_checks
+    from hybridkv.serving.server import settle_shadow_checks
 
     rng = random.Random(33)
     stored = [rng.randrange(3, 500) for _ in range(800)]

@@ -293,7 +293,7 @@ def test_a_runs_shadow_figures_per_kind_come_from_the_difference_of_two_readings
     divergences, the mean first diverging position, and the excess over the control (full) with
     Newcombe's interval on this run's counts alone."""
     from hybridkv.eval.stats import Excess
-    from hybridkv.integrations.vllm.bench import shadow_figures
+    from hybridkv.serving.bench import shadow_figures
 
     def reading(full: tuple[int, int], zero: tuple[int, int, float], first_token: tuple[int, int]) -> dict:
         series = {

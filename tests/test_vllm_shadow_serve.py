@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from hybridkv.eval.workloads import get_workload  # noqa: E402
-from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks  # noqa: E402
 from hybridkv.models.tokenizer import load_tokenizer  # noqa: E402
+from hybridkv.serving.server import Server, ServerSpec, settle_shadow_checks  # noqa: E402
 from tests.test_vllm_arena import MODEL, _swap_attention  # noqa: E402
 
 ANSWER_TOKENS = 16

@@ -25,7 +25,7 @@ GLM_5_3_FLASH = "glm-5.3-flash"
 
 
 @dataclass(frozen=True)
-class Workload:
+class Deployment:
     """The deployment `hybridkv plan` sizes. A field's `help` is its flag's text (`flag` names it where
     the field's name does not)."""
 
@@ -79,7 +79,7 @@ def load_config(model: str):
     raise HybridKVError(f"unknown model {model!r}: {GLM_5_3_FLASH}, a built-in tiny model, or a checkpoint directory")
 
 
-def make_plan(model: str, workload: Workload = Workload()) -> Plan:
+def make_plan(model: str, workload: Deployment = Deployment()) -> Plan:
     config = load_config(model)
     sizes = cache_sizes(config)
     costs = cost_model(config)
@@ -129,7 +129,7 @@ def make_plan(model: str, workload: Workload = Workload()) -> Plan:
     return plan
 
 
-def plan_table(plan: Plan, workload: Workload) -> str:
+def plan_table(plan: Plan, workload: Deployment) -> str:
     mib = 1024 * 1024
     lines = [
         f"{plan.model}: {plan.linear_layers} linear + {plan.attention_layers} attention layers; "

@@ -93,13 +93,13 @@ class ValidateConfig:
 
 
 @dataclass(frozen=True)
-class Workload:
+class PromptPair:
     cached_prompt: torch.Tensor
     prompt: torch.Tensor
     prefix_length: int
 
 
-def make_workload(model: HybridModel, prefix_length: int, suffix_length: int, seed: int) -> Workload:
+def make_workload(model: HybridModel, prefix_length: int, suffix_length: int, seed: int) -> PromptPair:
     """Two prompts sharing exactly `prefix_length` seeded random tokens, then diverging."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + prefix_length)
     low, high = min(3, model.config.vocab_size - 2), model.config.vocab_size
@@ -108,7 +108,7 @@ def make_workload(model: HybridModel, prefix_length: int, suffix_length: int, se
     other = torch.randint(low, high, (suffix_length,), generator=generator)
     if other[0] == suffix[0]:
         other[0] = low + (int(suffix[0]) - low + 1) % (high - low)
-    return Workload(torch.cat([shared, other]), torch.cat([shared, suffix]), prefix_length)
+    return PromptPair(torch.cat([shared, other]), torch.cat([shared, suffix]), prefix_length)
 
 
 def _plan(config: ValidateConfig) -> list[tuple[RecoveryMethod, Budget | None]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.serve import Server, ServerSpec
+from hybridkv.serving.server import Server, ServerSpec
 from hybridkv.models.tiny import TRAINED_MODELS
 
 # GLM-5.3-Flash's checkpoints name transformers' bare text decoder (there is no causal-LM class in

@@ -157,7 +157,7 @@ class Outcome:
 def serve_and_send(spec, log: Path, sequence: list[Probe]) -> list:
     import httpx
 
-    from hybridkv.integrations.vllm.serve import Server, complete
+    from hybridkv.serving.server import Server, complete
 
     async def send(url: str) -> list:
         replies = []
@@ -213,8 +213,8 @@ def main() -> int:
         write_weights(args.write_weights, args.max_model_len)
         return 0
 
-    from hybridkv.integrations.vllm.bench import first_token_fidelity
-    from hybridkv.integrations.vllm.serve import ServerSpec
+    from hybridkv.serving.bench import first_token_fidelity
+    from hybridkv.serving.server import ServerSpec
 
     @dataclass
     class GpuServerSpec(ServerSpec):

@@ -1,7 +1,7 @@
 """`hybridkv vllm-bench`: what a server sees, through real `vllm serve` processes, three ways.
 
 Every configuration is its own `vllm serve` process (the OpenAI server, `serve.Server`), started
-once and sent every workload (`workloads.SERVER_WORKLOADS`) at every client count, the same
+once and sent every workload (`traffic.TRAFFIC`) at every client count, the same
 prompts in the same sessions:
 
 - `no-cache`: vLLM without prefix caching; every prompt is a full prefill and the fidelity reference;
@@ -37,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.serve import (
+from hybridkv.serving.server import (
     ADAPTIVE,
     Reply,
     Server,
@@ -46,7 +46,7 @@ from hybridkv.integrations.vllm.serve import (
     run_sessions,
     settle_shadow_checks,
 )
-from hybridkv.integrations.vllm.workloads import SERVER_WORKLOADS, Shape, Tokens, make_sessions
+from hybridkv.serving.traffic import TRAFFIC, Shape, Tokens, make_sessions
 
 CONNECTOR_FIELDS = (
     "hook_ms_per_request", "wait_ms_per_request", "copy_ms_per_request", "lookup_ms_per_request", "write_ms_per_request"
@@ -70,7 +70,7 @@ class BenchPlan:
 
     model: str  # a checkpoint directory vLLM serves
     workloads: list[str] = field(
-        default_factory=lambda: list(SERVER_WORKLOADS), metadata={"help": "comma list of server workloads"}
+        default_factory=lambda: list(TRAFFIC), metadata={"help": "comma list of server workloads"}
     )
     clients: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrent client counts"})
     budgets: list[str] = field(

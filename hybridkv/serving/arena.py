@@ -59,8 +59,8 @@ from hybridkv.eval.arena import (
     row_key,
     scored_row,
 )
-from hybridkv.integrations.vllm.serve import Server, ServerSpec, settle_shadow_checks
 from hybridkv.methods import Budget, RecoveryMethod, recovery_methods
+from hybridkv.serving.server import Server, ServerSpec, settle_shadow_checks
 
 # Server configurations rather than recovery methods (the table above).
 ENGINE_CONFIGS = ("no-context", "full", "vllm-prefix-cache", "horizon-replay")
@@ -288,7 +288,7 @@ def run_served_arena(
 
 def _shadow(server: Server, before: dict[str, float]) -> dict:
     """The shadow checks' figures since `before` (every queued check counted first)."""
-    from hybridkv.integrations.vllm.bench import shadow_figures
+    from hybridkv.serving.bench import shadow_figures
 
     return shadow_figures(before, settle_shadow_checks([server])) | {"shadow_rate": server.spec.shadow_rate}
 

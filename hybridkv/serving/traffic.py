@@ -105,7 +105,7 @@ def grid_aligned(rng: random.Random, shape: Shape, tokens: Tokens) -> Sessions:
     return [[prefixes[i % len(prefixes)] + tokens.draw(rng, rng.randint(32, 512))] for i in range(shape.requests)]
 
 
-SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape, Tokens], Sessions]] = {
+TRAFFIC: dict[str, Callable[[random.Random, Shape, Tokens], Sessions]] = {
     "shared-system": shared_system,
     "multi-turn": multi_turn,
     "rag-mix": rag_mix,
@@ -116,6 +116,6 @@ SERVER_WORKLOADS: dict[str, Callable[[random.Random, Shape, Tokens], Sessions]] 
 def make_sessions(name: str, shape: Shape, seed: int, clients: int, tokens: Tokens = Tokens()) -> Sessions:
     """A workload's sessions, the same for every configuration (and new for every client count, so
     one run cannot warm the next)."""
-    if name not in SERVER_WORKLOADS:
-        raise HybridKVError(f"unknown server workload {name!r}: one of {', '.join(SERVER_WORKLOADS)}")
-    return SERVER_WORKLOADS[name](random.Random(f"hybridkv-serve|{name}|{seed}|{clients}"), shape, tokens)
+    if name not in TRAFFIC:
+        raise HybridKVError(f"unknown server workload {name!r}: one of {', '.join(TRAFFIC)}")
+    return TRAFFIC[name](random.Random(f"hybridkv-serve|{name}|{seed}|{clients}"), shape, tokens)
