@@ -70,7 +70,7 @@ def test_questions_on_one_shared_context_hit_its_one_served_request_and_resume_e
     every question is a hit on it, and with stored states each resumes from the exact state at
     the context's end, though the second and third match past it, through the first question's
     block (the questions share their opening words), which marks no state there."""
-    from hybridkv.integrations.vllm import arena
+    from hybridkv.serving import arena
 
     tokenizer, rag = load_tokenizer(str(MODEL)), get_workload("rag")
     samples = rag.generate("rag-shared", 2048, 3, tokenizer)
