@@ -112,9 +112,8 @@ def _add_fields(parser: argparse.ArgumentParser, config: type, skip: tuple[str, 
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         if flag := f.metadata.get("flag"):  # named unlike the field: shown as the flag's name
             options.setdefault("metavar", flag.removeprefix("--").replace("-", "_").upper())
-        parser.add_argument(
-            flag or "--" + f.name.replace("_", "-"), dest=f.name, default=_flag_text(default), **options
-        )
+        default = options.pop("default", _flag_text(default))  # an override's default wins (None: "decide later")
+        parser.add_argument(flag or "--" + f.name.replace("_", "-"), dest=f.name, default=default, **options)
 
 
 def _config(config: type, args: argparse.Namespace, **values: object):
@@ -136,6 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from hybridkv.eval.probe import ProbeConfig
     from hybridkv.eval.ttft import TTFTConfig
     from hybridkv.eval.validate import ValidateConfig
+    from hybridkv.serving.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS
     from hybridkv.serving.bench import BenchPlan
     from hybridkv.serving.models import DEFAULT_BENCH_MODEL
     from hybridkv.serving.server import ADAPTIVE
@@ -197,7 +197,17 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=defaults,
     )
-    _add_fields(run, ArenaPlan, workload={"choices": WORKLOADS})
+    # --methods and --budgets default by engine (the harness's ArenaPlan, the served arena's own): left
+    # out, they are None here, so a list given explicitly is never mistaken for the default.
+    harness = ArenaPlan()
+    by_engine = "default: {} in the harness; {} with --engine vllm"
+    _add_fields(
+        run, ArenaPlan, workload={"choices": WORKLOADS},
+        methods={"default": None, "help": f"{ArenaPlan.__dataclass_fields__['methods'].metadata['help']} ("
+                 + by_engine.format(",".join(harness.methods), ",".join(DEFAULT_SERVED_METHODS)) + ")"},
+        budgets={"default": None, "help": f"{ArenaPlan.__dataclass_fields__['budgets'].metadata['help']} ("
+                 + by_engine.format(_flag_text(harness.budgets), _flag_text(list(DEFAULT_SERVED_BUDGETS))) + ")"},
+    )  # fmt: skip
     _add_fields(run, ArenaConfig)
     run.add_argument(
         "--tasks", type=NAMES, default=None, help="comma list of tasks (default: every task the workload can make)"
@@ -577,15 +587,12 @@ def _arena(args: argparse.Namespace) -> None:
     from hybridkv.models.tokenizer import load_tokenizer
 
     workload = get_workload(args.workload)
-    methods = args.methods
-    budgets = args.budgets
     served = args.engine == "vllm"
+    plan = _arena_plan(args)
+    methods, budgets = plan.methods, plan.budgets
     if served:
-        from hybridkv.serving.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS, served_grid
+        from hybridkv.serving.arena import served_grid
 
-        defaults = ArenaPlan()
-        methods = list(DEFAULT_SERVED_METHODS) if methods == defaults.methods else methods
-        budgets = list(DEFAULT_SERVED_BUDGETS) if budgets == defaults.budgets else budgets
         served_grid(ArenaPlan(args.workload, methods, budgets), horizon=lambda: 0)  # bad names fail here
         if not Path(args.model).is_dir():
             raise HybridKVError(f"--engine vllm serves a checkpoint directory; {args.model} is not one")
@@ -655,6 +662,17 @@ def _arena(args: argparse.Namespace) -> None:
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     write_summary()
+
+
+def _arena_plan(args: argparse.Namespace):
+    """The arena's plan from its options: --methods and --budgets left out take the engine's defaults."""
+    from hybridkv.eval.arena import ArenaPlan
+    from hybridkv.serving.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHODS
+
+    served, harness = args.engine == "vllm", ArenaPlan()
+    methods = args.methods or list(DEFAULT_SERVED_METHODS if served else harness.methods)
+    budgets = args.budgets or list(DEFAULT_SERVED_BUDGETS if served else harness.budgets)
+    return ArenaPlan(args.workload, methods, budgets)
 
 
 def _horizon(calibration: dict, model: str) -> int:

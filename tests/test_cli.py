@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv.cache import CHECKPOINT_INTERVAL
-from hybridkv.cli import BUDGETS, INTS, NAMES, _add_fields, _build_parser, _config, comma_list, main
+from hybridkv.cli import BUDGETS, INTS, NAMES, _add_fields, _arena_plan, _build_parser, _config, comma_list, main
 from hybridkv.eval.arena import ArenaPlan
 from hybridkv.eval.calibrate import CalibrateConfig
 from hybridkv.eval.contract import ArenaConfig
@@ -34,7 +34,7 @@ def _defaults(*argv: str):
         (["ttft"], lambda a: _config(TTFTConfig, a), TTFTConfig()),
         (["calibrate"], lambda a: _config(CalibrateConfig, a), CalibrateConfig()),
         (["plan"], lambda a: _config(Deployment, a), Deployment()),
-        (["arena", "run"], lambda a: _config(ArenaPlan, a), ArenaPlan()),
+        (["arena", "run"], _arena_plan, ArenaPlan()),
         (["arena", "run"], lambda a: _config(ArenaConfig, a), ArenaConfig()),
         (["vllm-bench"], lambda a: _config(BenchPlan, a, model="m", shape=_config(Shape, a)), BenchPlan("m")),
         (["train", "RUN"], lambda a: _config(TrainConfig, a), TrainConfig(run_dir=Path("RUN"))),
@@ -105,3 +105,30 @@ def test_a_field_without_a_flag_type_is_refused_where_the_parser_is_built():
 
     with pytest.raises(TypeError, match=r"Odd.table: no flag type"):
         _add_fields(_build_parser(), Odd)
+
+
+def test_arena_lists_given_explicitly_are_kept_whichever_engine(monkeypatch, tmp_path):
+    """--methods and --budgets left out take the engine's defaults; given, even equal to the harness's
+    defaults, they are what runs (they were once swapped for the served defaults by comparing values)."""
+    from hybridkv.cli import main
+    from hybridkv.errors import HybridKVError
+    from hybridkv.models.tiny import WEIGHTS_DIR
+    from hybridkv.serving import arena as served_arena
+
+    planned = []
+
+    def capture(model, tokenizer, samples, plan, *args, **kwargs):
+        planned.append(([*plan.methods], [str(b) for b in plan.budgets]))
+        raise HybridKVError("captured")
+
+    monkeypatch.setattr(served_arena, "run_served_arena", capture)
+    model = str(WEIGHTS_DIR / "tiny-qwen3-next-vllm")
+    base = ["arena", "run", "--engine", "vllm", "--model", model, "--samples", "1", "--lengths", "1024",
+            "--tasks", "niah_single_1", "--no-progress"]  # fmt: skip
+    given = ["--methods", "no-context,full,zero-state,checkpoint,tail-replay", "--budgets", "0.05,0.1"]
+    assert main([*base, "--out", str(tmp_path / "a"), *given]) == 2
+    assert main([*base, "--out", str(tmp_path / "b")]) == 2
+    assert planned == [
+        (["no-context", "full", "zero-state", "checkpoint", "tail-replay"], ["0.05", "0.1"]),
+        ([*served_arena.DEFAULT_SERVED_METHODS], [str(b) for b in served_arena.DEFAULT_SERVED_BUDGETS]),
+    ]
