@@ -115,7 +115,7 @@ def test_every_kind_of_finished_request_is_queued_with_what_it_served_and_the_gu
 
     engine = shadowed_engine
     side = engine.scheduler._side
-    shadow = side._shadow = RecordingShadow(capacity=6)
+    shadow = side.shadow.checker = RecordingShadow(capacity=6)
     stored = tokens(4 * BLOCK, 1)
     save(engine, stored, request_blocks(engine, 0, 4))  # its state at its end: an exact checkpoint there
 
@@ -150,11 +150,11 @@ def test_every_kind_of_finished_request_is_queued_with_what_it_served_and_the_gu
     assert side.shadow_guard.unavailable and side.shadow_guard.effective_rung == 0  # "ignore": resumes go on
 
     full_job, zero_job, _, exact_job = shadow.jobs
-    side._shadow_done(full_job, ShadowResult("miss", answer_length=2))  # the control: clean
+    side.shadow.done(full_job, ShadowResult("miss", answer_length=2))  # the control: clean
     assert not side.shadow_guard.unavailable  # a check came back
-    side._shadow_done(exact_job, ShadowResult("exact", answer_length=1))
+    side.shadow.done(exact_job, ShadowResult("exact", answer_length=1))
     assert side.shadow_guard.rung == 0  # the window (2) is not full yet
-    side._shadow_done(
+    side.shadow.done(
         zero_job, ShadowResult("zero", answer_length=2, diverged_at=1, gap=0.3, top1_agrees=True, kl=1e-3)
     )
     assert side.shadow_guard.rung == 1  # the window: clean, flagged; 0.5 over the control's 0 reaches the floor
@@ -166,13 +166,13 @@ def test_every_kind_of_finished_request_is_queued_with_what_it_served_and_the_gu
     # rung 1: the ladder's larger tail, 0.5 of the match
     assert look_up(engine, request("tail", stored[: 3 * BLOCK] + tokens(30, 6))) == 3 * BLOCK - round(0.5 * 3 * BLOCK)
     for _ in range(2):
-        side._shadow_done(at_rung(zero_job, 1), ShadowResult("z", answer_length=1, diverged_at=0, gap=1.0))
+        side.shadow.done(at_rung(zero_job, 1), ShadowResult("z", answer_length=1, diverged_at=0, gap=1.0))
     assert side.shadow_guard.rung == 2 == side.shadow_guard.exact_rung
     # rung 2: exact stored states only; no exact state in reach is a full prefill
     assert look_up(engine, request("after", stored[: 3 * BLOCK] + tokens(30, 7))) == 0
     assert look_up(engine, request("exact-after", stored + tokens(30, 8))) == len(stored)  # exact resumes go on
     for _ in range(2):
-        side._shadow_done(at_rung(exact_job, 2), ShadowResult("e", answer_length=1, diverged_at=0, gap=1.0))
+        side.shadow.done(at_rung(exact_job, 2), ShadowResult("e", answer_length=1, diverged_at=0, gap=1.0))
     assert side.shadow_guard.rung == 3 == side.shadow_guard.top
     assert look_up(engine, request("top", stored + tokens(30, 9))) == 0  # nothing read at the top
 

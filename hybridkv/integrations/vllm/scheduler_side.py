@@ -5,12 +5,11 @@ another request is computing."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -21,18 +20,7 @@ from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
 from hybridkv.integrations.vllm.config import ConnectorConfig, engine_method
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
-from hybridkv.integrations.vllm.shadow import (
-    EXACT,
-    FULL,
-    STORED,
-    ZERO,
-    ShadowChecker,
-    ShadowGuard,
-    ShadowJob,
-    ShadowResult,
-    sampled,
-    zero_label,
-)
+from hybridkv.integrations.vllm.scheduler_shadow import ShadowChecks
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
 from hybridkv.integrations.vllm.worker_side import drain_local_saves
 from hybridkv.methods import Budget, RecoveryMethod
@@ -108,14 +96,8 @@ class SchedulerSide(ConnectorSide):
         self._held = 0  # hits holding verified pages
         self._held_bytes = 0
         # shadow checks (`shadow.py`) of the served checkpoint `model`, served in `dtype`
-        self.shadow_guard = ShadowGuard(
-            config.shadow_floor, config.shadow_window, _larger_tails(config), config.shadow_on_error
-        )
-        self._shadow: ShadowChecker | None = None
-        self._shadow_failed_seen = False  # the first failure is logged, later ones only counted
-        self._shadow_log_failed = False
-        if config.shadow_rate > 0:
-            self._shadow = ShadowChecker(model, dtype, self._shadow_done, on_down=self._checks_stopped)
+        self.shadow = ShadowChecks(self, model, dtype)
+        self.shadow_guard = self.shadow.guard
 
     @property
     def held_bytes(self) -> int:
@@ -400,102 +382,9 @@ class SchedulerSide(ConnectorSide):
         hit = self._hits.get(request.request_id)
         uncacheable = request.request_id in self._uncacheable
         info = self._forget(request.request_id)
-        if self._shadow is not None and not uncacheable:
-            self._queue_shadow_check(request, hit)
+        if self.shadow.checker is not None and not uncacheable:
+            self.shadow.queue(request, hit)
         return False, ({"hybridkv": info} if info is not None else None)
-
-    def _queue_shadow_check(self, request, hit: _Lookup | None) -> None:
-        """A finished request, sampled at `shadow_rate`, goes to the shadow process with how its
-        prompt was computed; its answer is out, so the check delays nothing. Greedy answers are
-        checked; a zero-state resume's first token is checked whatever the sampling. A full queue
-        drops it (counted)."""
-        if not sampled(request.request_id, self.config.shadow_rate):
-            return
-        if hit is not None and hit.start and hit.resume is not None:
-            return  # its load was never made (aborted before admission): nothing was served
-        if hit is None or not hit.start:
-            kind, label = FULL, FULL
-        elif hit.exact_state:
-            kind, label = EXACT, EXACT
-        elif hit.zero_state:
-            kind, label = ZERO, zero_label(hit.budget)
-        else:
-            kind, label = STORED, STORED
-        params = getattr(request, "sampling_params", None)
-        greedy = params is not None and getattr(params, "temperature", 1.0) < 1e-5  # vLLM's _SAMPLING_EPS
-        outputs = [int(t) for t in getattr(request, "output_token_ids", None) or []]
-        served = outputs if greedy and outputs else None
-        if served is None and kind != ZERO:
-            return  # nothing to check: only a greedy answer has one right continuation
-        rung = hit.rung if hit is not None else self.shadow_guard.effective_rung
-        job = ShadowJob(request.request_id, list(request.prompt_token_ids), kind, label,
-                        hit.start if hit is not None else 0, served, rung)  # fmt: skip
-        if self._shadow.submit(job):
-            self._count("shadow_queued")
-            return
-        # a full queue drops it; a shadow process that is gone fails it
-        self._count("shadow_failed" if self._shadow.dead else "shadow_dropped")
-        self._checks_stopped("the shadow process is down" if self._shadow.dead else "the shadow queue is full")
-
-    def _checks_stopped(self, why: str) -> None:
-        """Checks are not being made: with `shadow_on_error` "exact", lookups hold at exact stored
-        states until one succeeds again."""
-        guard = self.shadow_guard
-        with self._stats_lock:
-            if guard.unavailable:
-                return
-            guard.unavailable = True
-            self._stats.count("shadow_unavailable_spells")
-            self._stats.set_gauges(guard)
-        if guard.on_error == "exact":
-            log.warning("hybridkv: %s: exact stored states or full prefills only, until checks resume", why)
-
-    def _shadow_done(self, job: ShadowJob, result: ShadowResult) -> None:
-        """A check's result, on the shadow's reading thread: counted for the next step's stats, and
-        weighed by the guard."""
-        guard = self.shadow_guard
-        if result.error is not None:
-            with self._stats_lock:
-                first, self._shadow_failed_seen = not self._shadow_failed_seen, True
-                self._stats.count("shadow_failed")
-            if first:
-                log.warning("hybridkv: a shadow check failed: %s", result.error)
-            self._checks_stopped(f"a shadow check failed ({result.error})")
-            return
-        if self.config.shadow_log is not None:
-            self._log_check(job, result)
-        with self._stats_lock:
-            self._stats.record_shadow(job.label, result)
-            before, recovered = guard.describe(guard.effective_rung), guard.unavailable
-            guard.unavailable = False
-            step = guard.record(job.kind, result.flagged, job.rung)
-            if step:
-                self._stats.count("shadow_escalations" if step > 0 else "shadow_steps_down")
-            self._stats.set_gauges(guard)
-            excess = guard.judged
-        if recovered and guard.on_error == "exact":
-            log.warning("hybridkv: shadow checks resumed: %s again", guard.describe(guard.effective_rung))
-        if step > 0:
-            log.warning(
-                "hybridkv: shadow checks: answers read from the store diverge %.2f more often than full prefills' "
-                "over the last %d (shadow_floor %.2f): stepping up from %s to %s",
-                excess, guard.window, guard.floor, before, guard.describe(),
-            )  # fmt: skip
-        elif step < 0:
-            log.warning("hybridkv: shadow checks clean over a window: stepping down to %s", guard.describe())
-
-    def _log_check(self, job: ShadowJob, result: ShadowResult) -> None:
-        """One JSON line per check in `shadow_log` (on the shadow's reading thread, one at a time)."""
-        line = {"request_id": job.request_id, "kind": job.kind, "label": job.label, "start": job.start,
-                "rung": job.rung, **{k: v for k, v in asdict(result).items() if k != "request_id"}}  # fmt: skip
-        try:
-            with open(self.config.shadow_log, "a") as sink:
-                sink.write(json.dumps(line) + "\n")
-        except OSError as err:
-            with self._stats_lock:
-                first, self._shadow_log_failed = not self._shadow_log_failed, True
-            if first:
-                log.warning("hybridkv: shadow_log %s cannot be written: %s", self.config.shadow_log, err)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -503,16 +392,5 @@ class SchedulerSide(ConnectorSide):
     def shutdown(self) -> None:
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
-        if self._shadow is not None:
-            self._shadow.shutdown()
+        self.shadow.shutdown()
         super().shutdown()
-
-
-def _larger_tails(config: ConnectorConfig) -> tuple[Budget, ...]:
-    """The ladder's tails that replay more than the configured budget (all of them where one of
-    the two is a token count: which is larger depends on the match)."""
-    configured = config.replay_budget.fraction
-    return tuple(
-        tail for tail in config.shadow_ladder
-        if configured is None or tail.fraction is None or tail.fraction > configured
-    )  # fmt: skip

@@ -8,6 +8,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hybridkv.integrations.vllm.block_store import BlockStore, Layout
 from hybridkv.integrations.vllm.config import ConnectorConfig
@@ -37,6 +39,12 @@ class ConnectorSide:
         attention = {name: sizes[name] for names in self.attention_groups.values() for name in names}
         states = {name: sizes[name] for names in self.mamba_groups.values() for name in names}
         return attention, states
+
+    @contextmanager
+    def stats(self) -> Iterator[HybridKVStats]:
+        """The figures of the current stats period, held for updating (other threads count too)."""
+        with self._stats_lock:
+            yield self._stats
 
     def _count(self, name: str, value: float = 1) -> None:
         with self._stats_lock:
