@@ -37,6 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridkv.errors import HybridKVError
+from hybridkv.integrations.vllm.config import DEFAULT_REPLAY_BUDGET
 from hybridkv.serving.server import (
     ADAPTIVE,
     Reply,
@@ -74,7 +75,7 @@ class BenchPlan:
     )
     clients: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrent client counts"})
     budgets: list[str] = field(
-        default_factory=lambda: ["0.05", ADAPTIVE],
+        default_factory=lambda: [str(DEFAULT_REPLAY_BUDGET), ADAPTIVE],
         metadata={
             "help": "hybridkv replay budgets: fractions, token counts (256tok), or adaptive (the horizon "
             "`hybridkv calibrate` measures on the model, written beside it on first use)"
@@ -233,8 +234,8 @@ def run_bench(plan: BenchPlan, out: Path, show_progress: bool = True) -> dict:
             # a namespace per run: a store given with --store starts empty for every budget and rerun
             namespace = f"vllm-bench:{label}:{uuid.uuid4().hex}"
             spec = ServerSpec(
-                plan.model, config, max_model_len, store, budget or "0.05", plan.top_logprobs, plan.seed, namespace,
-                plan.shadow_rate,
+                plan.model, config, max_model_len, store, budget or str(DEFAULT_REPLAY_BUDGET), plan.top_logprobs,
+                plan.seed, namespace, plan.shadow_rate,
             )  # fmt: skip
             progress.set_postfix_str(f"{label}: starting vllm serve")
             with ExitStack() as stack:

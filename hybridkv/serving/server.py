@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
+from hybridkv.integrations.vllm.config import DEFAULT_REPLAY_BUDGET
 
 SERVER_CONFIGS = ("no-cache", "vllm-prefix-cache", "hybridkv")
 ADAPTIVE = "adaptive"  # a hybridkv budget: replay the model's calibrated forgetting horizon
@@ -61,7 +62,7 @@ class ServerSpec:
     config: str
     max_model_len: int
     store: str | None = None
-    budget: str = "0.05"
+    budget: str = str(DEFAULT_REPLAY_BUDGET)
     top_logprobs: int = 20
     seed: int = 0
     namespace: str = ""  # the connector's cache_salt: runs sharing a store never read each other's pages

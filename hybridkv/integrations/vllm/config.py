@@ -3,21 +3,133 @@
     "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0", "replay_budget": 0.05}
 
 Every setting is optional. A bad value, or a key the connector does not read (a misspelt setting
-would otherwise run at its default), stops the engine at start, in one line naming it.
+would otherwise run at its default), stops the engine at start, in one line naming it. Each
+setting is one field of `ConnectorConfig`: its default there, its key and the function that reads
+it in the field's metadata, so nothing is written twice.
 """
 
 from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import HybridKVError
 from hybridkv.methods import Budget, RecoveryMethod, get_method
+from hybridkv.methods.seeded_replay import SeededReplay
 from hybridkv.models.calibration import calibrated_horizon
+
+DEFAULT_REPLAY_BUDGET = Budget(fraction=0.05)
+DEFAULT_STORE = f"file://{Path(tempfile.gettempdir()) / 'hybridkv-vllm-store'}"  # shared by the engine's processes
+
+Reader = Callable[[Any, str, str], Any]  # (the setting's value, its key, the served model) -> the field's value
+
+
+def setting(read: Reader, key: str | None = None, **default: Any) -> Any:
+    """A field of `ConnectorConfig`: read from `kv_connector_extra_config[key]` (the field's name
+    unless given) by `read`, else `default` / `default_factory`."""
+    return field(metadata={"read": read, "key": key}, **default)
+
+
+def _store(value, key: str, model: str) -> str:
+    if not value:  # null or "": the default
+        return DEFAULT_STORE
+    if not isinstance(value, str):
+        raise HybridKVError(f"{key} {value!r}: a hybridkv store URL")
+    return value
+
+
+def _budget(value, key: str, model: str) -> Budget:
+    return Budget.parse(str(value))
+
+
+def _method(value, key: str, model: str) -> RecoveryMethod:
+    return engine_method(value)
+
+
+def _flag(value, key: str, model: str) -> bool:
+    if not isinstance(value, bool):  # bool("false") would be True
+        raise HybridKVError(f"{key} {value!r}: true or false")
+    return value
+
+
+def _text(value, key: str, model: str) -> str:
+    if not isinstance(value, str):
+        raise HybridKVError(f"{key} {value!r}: a string")
+    return value
+
+
+def _mib(value, key: str, model: str) -> int:
+    """A positive size in MiB, in bytes."""
+    try:
+        mib = float(value)
+    except (TypeError, ValueError):
+        mib = math.nan
+    if not mib > 0 or math.isinf(mib):
+        raise HybridKVError(f"{key} {value!r}: a positive number of MiB")
+    return int(mib * 2**20)
+
+
+def _replay_horizon(value, key: str, model: str) -> int | None:
+    """A token count, or "calibrated" (the horizon `hybridkv calibrate` wrote beside the model; None
+    there: some layer remembers past it); null: the budget alone."""
+    if value is None:
+        return None
+    if value == "calibrated":
+        return calibrated_horizon(Path(model))
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise HybridKVError(f'{key} {value!r}: a token count or "calibrated"')
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _share(value, key: str, model: str) -> float:
+    if not _number(value) or not 0 <= value <= 1:
+        raise HybridKVError(f"{key} {value!r}: a share of requests to check, from 0 to 1")
+    return float(value)
+
+
+def _floor(value, key: str, model: str) -> float | None:
+    if value is None:  # none: checks are counted, nothing acts
+        return None
+    if not _number(value) or not 0 < value <= 1:
+        raise HybridKVError(f"{key} {value!r}: an excess divergence rate above 0, at most 1")
+    return float(value)
+
+
+def _window(value, key: str, model: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise HybridKVError(f"{key} {value!r}: a number of checks, at least 2")
+    return value
+
+
+def _ladder(value, key: str, model: str) -> tuple[Budget, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(t, str | int | float) for t in value):
+        raise HybridKVError(f'{key} {value!r}: a list of replay budgets (fractions or "256tok")')
+    try:
+        return tuple(Budget.parse(str(t)) for t in value)
+    except HybridKVError as err:
+        raise HybridKVError(f"{key} {value!r}: {err}") from None
+
+
+def _on_error(value, key: str, model: str) -> str:
+    if value not in ("ignore", "exact"):
+        raise HybridKVError(f'{key} {value!r}: "ignore" or "exact"')
+    return value
+
+
+def _path(value, key: str, model: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise HybridKVError(f"{key} {value!r}: a file path")
+    return value
 
 
 @dataclass(frozen=True)
@@ -26,50 +138,50 @@ class ConnectorConfig:
 
     # `store`: a hybridkv store URL; default a file store under the temp dir, shared by the
     # engine's processes
-    store: str
+    store: str = setting(_store, default=DEFAULT_STORE)
     # `replay_budget`: a fraction of the match, or "256tok"; default 0.05. A request may set its own:
     # `SamplingParams(extra_args={"kv_transfer_params": {"replay_budget": 0.1}})`
-    replay_budget: Budget
+    replay_budget: Budget = setting(_budget, default=DEFAULT_REPLAY_BUDGET)
     # `method`: the recovery method whose recipe picks where a hit resumes (`hybridkv.methods`, or one
     # registered under `hybridkv.recipes`); default "seeded-replay". A method that cannot run as the
     # engine resumes (`engine_resumable` false) is refused at start. A request may name its own, as
     # `"method"` beside `"replay_budget"` in its kv_transfer_params
-    method: RecoveryMethod
+    method: RecoveryMethod = setting(_method, default=SeededReplay())
     # `replay_horizon`: a token count, or "calibrated" (the forgetting horizon `hybridkv calibrate`
     # wrote beside the model); it caps the budget's tail. None: the budget alone (the default), or a
     # calibration that found some layer remembering past its sample
-    replay_horizon: int | None
+    replay_horizon: int | None = setting(_replay_horizon, default=None)
     # `cache_salt`: the engine's namespace; vLLM's per-request `cache_salt` opens a namespace inside
     # it, so two tenants never share a page. Default "" (none)
-    cache_salt: str
+    cache_salt: str = setting(_text, default="")
     # `save_states`: store each saved prompt's final linear states (an exact checkpoint at its
     # end); default true
-    save_states: bool
+    save_states: bool = setting(_flag, default=True)
     # `max_held_mib`, in bytes: verified pages held in memory for requests not yet admitted; past
     # it, new lookups wait. Default 1024 MiB
-    max_held_bytes: int
+    max_held_bytes: int = setting(_mib, key="max_held_mib", default=1024 * 2**20)
     # `shadow_rate`: the share of finished requests whose served answer is checked against exact full
     # prefill in a shadow process, off the request's path (`shadow.py`): every kind of request alike,
     # so full prefills give the control group. 0 (the default) turns checks off; 1 checks every one.
     # Sampled by a hash of the request id
-    shadow_rate: float = 0.0
+    shadow_rate: float = setting(_share, default=0.0)
     # `shadow_floor`: an excess divergence rate in (0, 1]. Once the last `shadow_window` checks of
     # requests that read the store diverge this much more often than the last `shadow_window` full
     # prefills, the connector steps up its ladder (`shadow.ShadowGuard`). Needs `shadow_rate` > 0.
     # Default none: checks are counted, nothing acts
-    shadow_floor: float | None = None
+    shadow_floor: float | None = setting(_floor, default=None)
     # `shadow_window`: the checks the floor judges at a time (at least 2)
-    shadow_window: int = 50
+    shadow_window: int = setting(_window, default=50)
     # `shadow_ladder`: the tails stepped through above the configured budget before exact stored
     # states only, then full prefills
-    shadow_ladder: tuple[Budget, ...] = (Budget(fraction=0.2), Budget(fraction=0.5))
+    shadow_ladder: tuple[Budget, ...] = setting(_ladder, default=(Budget(fraction=0.2), Budget(fraction=0.5)))
     # `shadow_on_error`: when checks stop (the shadow process dead, failing, or its queue full):
     # "ignore" (count it, resume as configured) or "exact" (resume from exact stored states only
     # until a check succeeds again)
-    shadow_on_error: str = "ignore"
+    shadow_on_error: str = setting(_on_error, default="ignore")
     # `shadow_log`: a file each check's result is appended to, one JSON line per request (its id,
     # kind, where its answer diverged); default none
-    shadow_log: str | None = None
+    shadow_log: str | None = setting(_path, default=None)
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, model: str) -> ConnectorConfig:
@@ -81,115 +193,31 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config setting(s) {', '.join(map(repr, unknown))}; "
                 f"known: {', '.join(sorted(SETTINGS))}"
             )
-        return cls(
-            replay_budget=Budget.parse(str(extra.get("replay_budget", 0.05))),
-            method=engine_method(extra.get("method", "seeded-replay")),
-            save_states=_flag(extra.get("save_states", True), "save_states"),
-            replay_horizon=_replay_horizon(extra.get("replay_horizon"), model),
-            store=_store(extra.get("store")),
-            cache_salt=_text(extra.get("cache_salt", ""), "cache_salt"),
-            max_held_bytes=_mib(extra.get("max_held_mib", 1024), "max_held_mib"),
-            **_shadow(extra),
-        )
+        values = {}
+        for f in fields(cls):
+            key = f.metadata["key"] or f.name
+            if key in extra:
+                values[f.name] = f.metadata["read"](extra[key], key, model)
+        config = cls(**values)
+        if config.shadow_floor is not None and config.shadow_rate == 0:
+            raise HybridKVError(
+                f"shadow_floor {config.shadow_floor!r} needs shadow_rate > 0: the floor reads the checks"
+            )
+        return config
 
 
-# Every key `parse` reads (`max_held_mib` fills `max_held_bytes`).
-SETTINGS = frozenset(
-    {"store", "replay_budget", "method", "replay_horizon", "cache_salt", "save_states", "max_held_mib", "shadow_rate",
-     "shadow_floor", "shadow_window", "shadow_ladder", "shadow_on_error",
-     "shadow_log"}
-)  # fmt: skip
+# Every key `parse` reads.
+SETTINGS = frozenset(f.metadata["key"] or f.name for f in fields(ConnectorConfig))
 
 
-def engine_method(setting) -> RecoveryMethod:
-    """The recovery method named `setting`, refused in one line unless it may run as vLLM resumes."""
-    if not isinstance(setting, str):
-        raise HybridKVError(f"method {setting!r}: a recovery method's name")
-    method = get_method(setting)
+def engine_method(name) -> RecoveryMethod:
+    """The recovery method called `name`, refused in one line unless it may run as vLLM resumes."""
+    if not isinstance(name, str):
+        raise HybridKVError(f"method {name!r}: a recovery method's name")
+    method = get_method(name)
     if not method.engine_resumable:
         raise HybridKVError(
-            f"method {setting!r} cannot run in vLLM: its recipe needs more than loading the KV before its state "
+            f"method {name!r} cannot run in vLLM: its recipe needs more than loading the KV before its state "
             "position and prefilling the rest (engine_resumable is false)"
         )
     return method
-
-
-def _store(setting) -> str:
-    if not setting:
-        return f"file://{Path(tempfile.gettempdir()) / 'hybridkv-vllm-store'}"
-    if not isinstance(setting, str):
-        raise HybridKVError(f"store {setting!r}: a hybridkv store URL")
-    return setting
-
-
-def _flag(setting, name: str) -> bool:
-    if not isinstance(setting, bool):  # bool("false") would be True
-        raise HybridKVError(f"{name} {setting!r}: true or false")
-    return setting
-
-
-def _text(setting, name: str) -> str:
-    if not isinstance(setting, str):
-        raise HybridKVError(f"{name} {setting!r}: a string")
-    return setting
-
-
-def _mib(setting, name: str) -> int:
-    """A positive size in MiB from the connector's config, in bytes."""
-    try:
-        mib = float(setting)
-    except (TypeError, ValueError):
-        mib = math.nan
-    if not mib > 0 or math.isinf(mib):
-        raise HybridKVError(f"{name} {setting!r}: a positive number of MiB")
-    return int(mib * 2**20)
-
-
-def _shadow(extra: Mapping[str, Any]) -> dict[str, Any]:
-    """The shadow settings: `shadow_rate` in [0, 1]; `shadow_floor` in (0, 1] (or absent), which
-    needs checks to read; `shadow_window` a count of at least 2; `shadow_ladder` a list of budgets;
-    `shadow_on_error` "ignore" or "exact"."""
-    defaults = {f: ConnectorConfig.__dataclass_fields__[f].default for f in ("shadow_window", "shadow_ladder")}
-    rate, floor = extra.get("shadow_rate", 0.0), extra.get("shadow_floor")
-    window = extra.get("shadow_window", defaults["shadow_window"])
-    on_error = extra.get("shadow_on_error", "ignore")
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-        raise HybridKVError(f"shadow_rate {rate!r}: a share of requests to check, from 0 to 1")
-    if floor is not None:
-        if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 < floor <= 1:
-            raise HybridKVError(f"shadow_floor {floor!r}: an excess divergence rate above 0, at most 1")
-        if rate == 0:
-            raise HybridKVError(f"shadow_floor {floor!r} needs shadow_rate > 0: the floor reads the checks")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-        raise HybridKVError(f"shadow_window {window!r}: a number of checks, at least 2")
-    if on_error not in ("ignore", "exact"):
-        raise HybridKVError(f'shadow_on_error {on_error!r}: "ignore" or "exact"')
-    ladder = extra.get("shadow_ladder")
-    if ladder is None:
-        tails = defaults["shadow_ladder"]
-    elif isinstance(ladder, list | tuple) and all(isinstance(t, str | int | float) for t in ladder):
-        try:
-            tails = tuple(Budget.parse(str(t)) for t in ladder)
-        except HybridKVError as err:
-            raise HybridKVError(f"shadow_ladder {ladder!r}: {err}") from None
-    else:
-        raise HybridKVError(f'shadow_ladder {ladder!r}: a list of replay budgets (fractions or "256tok")')
-    log_path = extra.get("shadow_log")
-    if log_path is not None and (not isinstance(log_path, str) or not log_path):
-        raise HybridKVError(f"shadow_log {log_path!r}: a file path")
-    return {
-        "shadow_rate": float(rate), "shadow_floor": None if floor is None else float(floor),
-        "shadow_window": window, "shadow_ladder": tails, "shadow_on_error": on_error, "shadow_log": log_path,
-    }  # fmt: skip
-
-
-def _replay_horizon(setting, model: str) -> int | None:
-    """`replay_horizon`: absent (the budget alone), a token count, or "calibrated" (the horizon
-    `hybridkv calibrate` wrote beside the model; None there: some layer remembers past it)."""
-    if setting is None:
-        return None
-    if setting == "calibrated":
-        return calibrated_horizon(Path(model))
-    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
-        return setting
-    raise HybridKVError(f'replay_horizon {setting!r}: a token count or "calibrated"')
