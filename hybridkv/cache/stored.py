@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, kv_block_key, model_fingerprint, state_key
+from hybridkv.cache.block_codec import BlockCodec
+from hybridkv.cache.keys import PrefixKeys, model_fingerprint
 from hybridkv.cache.prefix_cache import CachedMatch
-from hybridkv.cache.prefix_walk import PrefixWalk
 from hybridkv.cache.prompt import CachedPrompt, LinearState, LinearStates, PromptKV
 from hybridkv.errors import CorruptEntry
 from hybridkv.models.decay import DECAY_SPAN, DecaySummary
 from hybridkv.models.kv import LayerKV
 from hybridkv.models.loader import HybridModel
-from hybridkv.store.codec import Entry, encode
+from hybridkv.store.codec import Entry
 from hybridkv.store.guarded import GuardedStore
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -56,12 +56,11 @@ class StoredPrefixCache:
         self.keys = PrefixKeys(self.fingerprint, salt, block_tokens)
         self.checkpoint_interval = checkpoint_interval
         self._dims = {index: model.description.token_tensors(index) for index in model.description.attention_layers}
-        self._walk = PrefixWalk(store, self.fingerprint, "kv", "kv-variants")
+        self._codec = BlockCodec(store, self.fingerprint, "kv", "state")
 
     def block_key(self, tokens, index: int) -> str:
         """Where block `index` of the prompt `tokens` is stored: the key of the prompt through its last token."""
-        end = min((index + 1) * self.keys.block_tokens, len(tokens))
-        return kv_block_key(self.keys.prefix(tokens, end))
+        return self._codec.block_key(self.keys, tokens, index)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -73,30 +72,24 @@ class StoredPrefixCache:
         written = 0
         for index, start in enumerate(range(0, len(tokens), size)):
             end = min(start + size, len(tokens))
-            key = kv_block_key(self.keys.prefix(tokens, end, chain))
             block = cached.attention.narrow(start, end)
             tensors = {f"{layer}.{name}": tensor for layer, kv in block.items() for name, tensor in kv.tensors.items()}
-            meta = {"start": start, "tokens": tokens[start:end].tolist()}
+            meta = {}
             if cached.decay is not None:
                 # Each summary row rides along with the block holding its last token, so the rows of
                 # consecutive blocks concatenate in order whatever the block size.
                 tensors["decay"] = cached.decay.log_decay[start // cached.decay.span : end // cached.decay.span]
                 meta["decay_chunk"] = cached.decay.span
-            if self.store.put(key, encode(Entry("kv", self.fingerprint, key, meta, tensors))):
-                written += 1
-                self._walk.list_block(chain[index], tokens[start:end].tolist())
+            written += self._codec.put_block(self.keys, chain, tokens, index, tensors, meta)
         for position, states in cached.checkpoints.items():
-            key = state_key(self.keys.prefix(tokens, position, chain))
             tensors = {f"{layer}.{name}": t for layer, state in states.items() for name, t in state.tensors.items()}
-            written += self.store.put(
-                key, encode(Entry("state", self.fingerprint, key, {"position": position}, tensors))
-            )
+            written += self._codec.put_state(self.keys, tokens, position, tensors, chain=chain)
         return written
 
     # -- reading -----------------------------------------------------------------------------
 
     def _read(self, key: str, kind: str) -> Entry | None:
-        return self.store.read_entry(key, kind, self.fingerprint)
+        return self._codec.read(key, kind)
 
     def _kv_block(self, key: str, entry: Entry, start: int) -> tuple[list[int], _Block]:
         """The tokens and pages of the block stored under `key` at `start` (`PrefixWalk`'s decode)."""
@@ -134,7 +127,7 @@ class StoredPrefixCache:
         return tokens, _Block(kv, (decay, decay_span) if decay is not None else None)
 
     def _checkpoint(self, prompt: torch.Tensor, position: int, chain: list[bytes]) -> LinearStates | None:
-        key = state_key(self.keys.prefix(prompt, position, chain))
+        key = self._codec.state_key(self.keys, prompt, position, chain)
         entry = self._read(key, "state")
         if entry is None:
             return None
@@ -163,7 +156,7 @@ class StoredPrefixCache:
         prompt = prompt.reshape(-1)
         limit = prompt.numel() - 1
         chain = self.keys.chain(prompt[:limit])
-        found = self._walk.match(self.keys, chain, prompt[:limit].numpy(), self._kv_block)
+        found = self._codec.walk.match(self.keys, chain, prompt[:limit].numpy(), self._kv_block)
         matched = found.length
         if matched == 0:
             return None

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint, kv_block_key, state_key
-from hybridkv.cache.prefix_walk import PrefixWalk
+from hybridkv.cache.block_codec import BlockCodec
+from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint
 from hybridkv.errors import CorruptEntry
 from hybridkv.methods import Budget, PositionsMatch, RecoveryMethod
-from hybridkv.store.codec import Entry, encode
+from hybridkv.store.codec import Entry
 from hybridkv.store.guarded import GuardedStore
 
 Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
@@ -86,7 +86,8 @@ class BlockStore:
         self.block_size = block_size
         self.salt = salt
         self._namespaces: dict[str | None, PrefixKeys] = {}
-        self._walk = PrefixWalk(store, fingerprint, "vllm-kv", "vllm-kv-variants")
+        self._codec = BlockCodec(store, fingerprint, "vllm-kv", "vllm-state")
+        self._walk = self._codec.walk
 
     def keys(self, request_salt: str | None = None) -> PrefixKeys:
         if request_salt not in self._namespaces:
@@ -98,11 +99,12 @@ class BlockStore:
         """Where each block of the prompt `tokens` is stored (its last one may be partial)."""
         keys = self.keys(request_salt)
         chain = keys.chain(tokens)
-        ends = [min(start + self.block_size, len(tokens)) for start in range(0, len(tokens), self.block_size)]
-        return [kv_block_key(keys.prefix(tokens, end, chain)) for end in ends]
+        return [
+            self._codec.block_key(keys, tokens, index, chain) for index in range(-(-len(tokens) // self.block_size))
+        ]
 
     def state_key(self, tokens: list[int], position: int, request_salt: str | None = None) -> str:
-        return state_key(self.keys(request_salt).prefix(tokens, position))
+        return self._codec.state_key(self.keys(request_salt), tokens, position)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -113,31 +115,27 @@ class BlockStore:
         """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
         stored at that position (inside the last block); `exact`: whether the prompt was computed
         exactly. Returns how many writes succeeded."""
-        keys = self.block_keys(tokens, salt)
-        chain = self.keys(salt).chain(tokens)
+        keys = self.keys(salt)
+        chain = keys.chain(tokens)
         written = 0
         for index, block in enumerate(pages, start=first):
             start = index * self.block_size
             end = min(start + self.block_size, len(tokens))
-            meta = {"start": start, "tokens": tokens[start:end], "exact": exact}
+            meta: dict = {"exact": exact}
             if state_at is not None and start < state_at <= end:
                 meta["checkpoint"] = state_at
-            if self.store.put(keys[index], encode(Entry("vllm-kv", self.fingerprint, keys[index], meta, block))):
-                written += 1
-                self._walk.list_block(chain[index], tokens[start:end])
+            written += self._codec.put_block(keys, chain, tokens, index, block, meta)
         return written
 
     def save_state(
         self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
     ) -> bool:
-        key = self.state_key(tokens, position, salt)
-        meta = {"position": position, "exact": exact}
-        return self.store.put(key, encode(Entry("vllm-state", self.fingerprint, key, meta, pages)))
+        return self._codec.put_state(self.keys(salt), tokens, position, pages, {"exact": exact})
 
     # -- reading -----------------------------------------------------------------------------
 
     def _read(self, key: str, kind: str) -> Entry | None:
-        return self.store.read_entry(key, kind, self.fingerprint)
+        return self._codec.read(key, kind)
 
     def match(self, tokens: list[int], layout: Layout, salt: str | None = None) -> PageMatch:
         """The longest stored prefix of `tokens[:-1]` (one token is always left to compute).
