@@ -204,7 +204,7 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_its_pages_then_reus
     other_tenant = request("c", shared + tokens(30, 6))
     other_tenant.cache_salt = "tenant-2"  # a's pages are not its own: nothing to wait for
     assert look_up(engine, other_tenant) == 0
-    short = request("d", shared[: scheduler._side.WAIT_FOR_PREFIX_TOKENS - 1] + tokens(600, 7))
+    short = request("d", shared[: scheduler._side.in_flight.WAIT_FOR_PREFIX_TOKENS - 1] + tokens(600, 7))
     assert look_up(engine, short) == 0  # too little in common to wait for
 
     # a's last prefill step: the scheduler sends its save; b waits until the worker says it is done
@@ -225,7 +225,7 @@ def test_a_next_turn_sent_while_the_last_ones_pages_are_written_waits_for_them(e
     waits the milliseconds it takes instead of missing those pages."""
     scheduler = engine.scheduler
     turn = tokens(3 * BLOCK, 20)
-    assert 3 * BLOCK < scheduler._side.WAIT_FOR_PREFIX_TOKENS
+    assert 3 * BLOCK < scheduler._side.in_flight.WAIT_FOR_PREFIX_TOKENS
     last = request("a", turn)
     assert look_up(engine, last) == 0
     meta = scheduler.build_connector_meta(scheduled(new=[("a", turn, request_blocks(engine, 0, 4), len(turn))]))

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hybridkv.cache.prefix_index import common_length
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
 from hybridkv.integrations.vllm.config import ConnectorConfig, engine_method
+from hybridkv.integrations.vllm.in_flight import PromptsInFlight
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
 from hybridkv.integrations.vllm.scheduler_shadow import ShadowChecks
@@ -44,14 +44,6 @@ class _Lookup:  # scheduler-side record of a request's lookup, with its verified
 
 
 @dataclass
-class _Source:  # scheduler-side: a prompt to be computed (or saved) whose pages later lookups may want
-    tokens: np.ndarray
-    salt: str | None
-    stored: int  # tokens of it the store held already when it was looked up
-    saved_at: float | None = None  # when its save went to the worker (None: prefill in progress)
-
-
-@dataclass
 class _Tracked:  # scheduler-side view of a running request, until its prefill is saved
     tokens: list[int]
     block_ids: list[list[int]]
@@ -65,11 +57,6 @@ class SchedulerSide(ConnectorSide):
     # How long the scheduler waits for a lookup before answering "not yet" (then the request waits
     # a whole engine step). A lookup reading a few MiB from a local store takes 5-30 ms.
     LOOKUP_WAIT_S = 0.05
-    # A new prompt sharing at least this many more tokens with one being computed than the store
-    # holds waits for that prompt's pages instead of computing them a second time alongside it
-    # (with one whose pages are being written, any number of tokens).
-    WAIT_FOR_PREFIX_TOKENS = 512
-    SAVE_NOTICE_TIMEOUT_S = 10.0  # a save the worker never reports done stops holding lookups back
 
     def __init__(
         self, config: ConnectorConfig, groups: CacheGroups, blocks: BlockStore, max_num_seqs: int,
@@ -87,8 +74,7 @@ class SchedulerSide(ConnectorSide):
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
-        self._sources: dict[str, _Source] = {}  # prompts in flight, until their saves are done
-        self._waiting_on: dict[str, str] = {}  # request -> the source whose pages it waits for
+        self.in_flight = PromptsInFlight(lambda: self._count("lookups_deferred"))
         self._lookup_pool: ThreadPoolExecutor | None = None
         # verified pages wait in memory for their request's admission: bound how many requests hold
         # them (lookups in flight included) and their bytes (a long prompt's pages weigh more)
@@ -123,7 +109,7 @@ class SchedulerSide(ConnectorSide):
             return 0, False
         if (hit := self._hits.get(req_id)) is None:
             lookup = self._lookups.get(req_id)
-            if lookup is None and self._waits_for_source(request):
+            if lookup is None and self.in_flight.holds_back(request):
                 return None, False
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
                 if len(self._lookups) + self._held >= self._max_pending or (
@@ -145,7 +131,7 @@ class SchedulerSide(ConnectorSide):
             # From here on it computes the rest of its prompt: a request asked about later, even
             # in this same step (before vLLM builds the step's metadata), waits for its pages.
             tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
-            self._sources[req_id] = _Source(tokens, self._salts.get(req_id), hit.matched)
+            self.in_flight.computing(req_id, tokens, self._salts.get(req_id), hit.matched)
             if hit.resume is not None:
                 self._held += 1
                 self._held_bytes += hit.resume.nbytes
@@ -158,42 +144,10 @@ class SchedulerSide(ConnectorSide):
             hit.start, hit.exact_state = 0, False
         return hit.start, hit.start > 0 and not self.sync_loads
 
-    def _waits_for_source(self, request) -> bool:
-        """Whether the request should wait for another one's pages: that one is to compute (its
-        lookup has answered) or is computing at least `WAIT_FOR_PREFIX_TOKENS` more of this prompt
-        than the store holds, or its pages are being written and hold any more of it. Two clients
-        sending one long new prefix at once would otherwise both compute it (vLLM's own prefix
-        cache shares blocks while they are computed, the store only once they are saved), and a
-        conversation's next turn sent at once would miss the last turn's pages by milliseconds."""
-        req_id = request.request_id
-        now = time.monotonic()
-        for source_id, source in list(self._sources.items()):
-            if source.saved_at is not None and now - source.saved_at > self.SAVE_NOTICE_TIMEOUT_S:
-                del self._sources[source_id]
-        if self._waiting_on.get(req_id) in self._sources:
-            return True
-        self._waiting_on.pop(req_id, None)
-        if not self._sources:
-            return False
-        salt = getattr(request, "cache_salt", None)
-        prompt = np.asarray(request.prompt_token_ids[:-1], dtype=np.int64)  # one token is always computed
-        for source_id, source in self._sources.items():
-            if source_id == req_id:
-                continue
-            gain = common_length(source.tokens, prompt) - source.stored
-            # a save in flight is milliseconds away: worth waiting for whatever it adds
-            wanted = 1 if source.saved_at is not None else self.WAIT_FOR_PREFIX_TOKENS
-            if source.salt == salt and gain >= wanted:
-                self._waiting_on[req_id] = source_id
-                self._count("lookups_deferred")
-                return True
-        return False
-
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HybridKVWorkerMetadata):
-            for req_id in meta.saved:
-                self._sources.pop(req_id, None)
+            self.in_flight.saved(meta.saved)
 
     def _take_pages(self, hit: _Lookup) -> ResumePlan | None:
         """The hit's verified pages, which leave it (loaded, declined or dropped)."""
@@ -347,8 +301,7 @@ class SchedulerSide(ConnectorSide):
         if tracked.saved or not tracked.tokens or end < len(tracked.tokens):
             return
         tracked.saved = True  # the prompt is complete after this step: save it once
-        if (source := self._sources.get(req_id)) is not None:
-            source.saved_at = time.monotonic()
+        self.in_flight.saving(req_id)
         blocks = -(-len(tracked.tokens) // self.block_size)
         meta.saves.append(
             SaveOp(
@@ -364,10 +317,8 @@ class SchedulerSide(ConnectorSide):
 
     def _forget(self, req_id: str) -> dict | None:
         self._uncacheable.discard(req_id)
-        self._waiting_on.pop(req_id, None)
+        self.in_flight.forget(req_id)
         self._tracked.pop(req_id, None)
-        if (source := self._sources.get(req_id)) is not None and source.saved_at is None:
-            del self._sources[req_id]  # finished before its prompt was complete: no save comes
         self._salts.pop(req_id, None)
         if (lookup := self._lookups.pop(req_id, None)) is not None:
             lookup.cancel()  # aborted while its lookup ran
