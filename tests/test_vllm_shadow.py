@@ -154,9 +154,7 @@ def test_every_kind_of_finished_request_is_queued_with_what_it_served_and_the_gu
     assert not side.shadow_guard.unavailable  # a check came back
     side.shadow.done(exact_job, ShadowResult("exact", answer_length=1))
     assert side.shadow_guard.rung == 0  # the window (2) is not full yet
-    side.shadow.done(
-        zero_job, ShadowResult("zero", answer_length=2, diverged_at=1, gap=0.3, top1_agrees=True, kl=1e-3)
-    )
+    side.shadow.done(zero_job, ShadowResult("zero", answer_length=2, diverged_at=1, gap=0.3, top1_agrees=True, kl=1e-3))
     assert side.shadow_guard.rung == 1  # the window: clean, flagged; 0.5 over the control's 0 reaches the floor
     stats = engine.scheduler.get_kv_connector_stats().data
     assert stats["shadow_answers"] == {"full": [1, 0, []], "exact": [1, 0, []], "zero@0.05": [1, 1, [1]]}
