@@ -242,6 +242,8 @@ def test_a_method_vllm_cannot_run_is_refused_at_start_and_a_requests_own_falls_b
     ask = [SimpleNamespace(request_id="r", kv_transfer_params=params)
            for params in ({"method": "tail-replay"}, {"method": "checkpoint"}, {"method": 3}, None)]  # fmt: skip
     assert [side._request_method(r).name for r in ask] == ["zero-state", "checkpoint", "zero-state", "zero-state"]
+    budgets = [SimpleNamespace(request_id="r", kv_transfer_params={"replay_budget": b}) for b in ("0.2", "lots", 2)]
+    assert [str(side._request_budget(r)) for r in budgets] == ["0.2", "0.05", "0.05"]  # a bad one: the engine's
 
 
 def test_a_shadow_process_killed_mid_check_fails_its_jobs_says_so_and_the_next_job_starts_another(monkeypatch):

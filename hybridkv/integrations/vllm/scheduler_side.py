@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -197,26 +199,12 @@ class SchedulerSide(ConnectorSide):
             return _Lookup(0, 0, rung=rung)
 
     def _request_method(self, request) -> RecoveryMethod:
-        method = self.config.method
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if "method" not in params:
-            return method
-        try:
-            return engine_method(params["method"])
-        except HybridKVError as err:
-            log.warning("hybridkv: request %s: %s; using the engine's method %s", request.request_id, err, method.name)
-            return method
+        return _request_setting(request, "method", engine_method, self.config.method)
 
     def _request_budget(self, request) -> Budget:
-        budget = self.config.replay_budget
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if "replay_budget" not in params:
-            return budget
-        try:
-            return Budget.parse(str(params["replay_budget"]))
-        except HybridKVError as err:
-            log.warning("hybridkv: request %s: %s; using the engine's budget %s", request.request_id, err, budget)
-            return budget
+        return _request_setting(
+            request, "replay_budget", lambda value: Budget.parse(str(value)), self.config.replay_budget
+        )
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         # The load writes every linear state slot (the checkpoint, or zeros) and clears every ring:
@@ -345,3 +333,17 @@ class SchedulerSide(ConnectorSide):
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self.shadow.shutdown()
         super().shutdown()
+
+
+def _request_setting(request, key: str, read: Callable[[Any], Any], configured: Any) -> Any:
+    """A request's own `key` in its kv_transfer_params, read by `read`; the engine's `configured`
+    when it sets none, or one that is refused (with a warning: the request is served, not failed)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if key not in params:
+        return configured
+    try:
+        return read(params[key])
+    except HybridKVError as err:
+        shown = getattr(configured, "name", configured)
+        log.warning("hybridkv: request %s: %s; using the engine's %s %s", request.request_id, err, key, shown)
+        return configured
