@@ -580,7 +580,7 @@ def _arena(args: argparse.Namespace) -> None:
         return
 
     from hybridkv.errors import MissingDataError
-    from hybridkv.eval.arena import ArenaPlan, method_grid, run_arena
+    from hybridkv.eval.arena import method_grid, run_arena
     from hybridkv.eval.contract import ArenaConfig, get_arena_method
     from hybridkv.eval.workloads import get_workload
     from hybridkv.eval.workloads.frozen import freeze, load_frozen
@@ -589,11 +589,10 @@ def _arena(args: argparse.Namespace) -> None:
     workload = get_workload(args.workload)
     served = args.engine == "vllm"
     plan = _arena_plan(args)
-    methods, budgets = plan.methods, plan.budgets
     if served:
         from hybridkv.serving.arena import served_grid
 
-        served_grid(ArenaPlan(args.workload, methods, budgets), horizon=lambda: 0)  # bad names fail here
+        served_grid(plan, horizon=lambda: 0)  # bad names fail here
         if not Path(args.model).is_dir():
             raise HybridKVError(f"--engine vllm serves a checkpoint directory; {args.model} is not one")
         if not 0 <= args.shadow_rate <= 1:
@@ -601,7 +600,7 @@ def _arena(args: argparse.Namespace) -> None:
     elif args.shadow_rate:
         raise HybridKVError("--shadow-rate checks a served connector's resumes: give --engine vllm")
     else:
-        for name, budget in method_grid(ArenaPlan(args.workload, methods, budgets)):
+        for name, budget in method_grid(plan):
             get_arena_method(name, budget)  # unknown names and bad NAME@BUDGET entries fail before any work
     tasks = args.tasks if args.tasks else list(workload.default_tasks)
     if unknown := [t for t in tasks if t not in workload.tasks]:
@@ -642,7 +641,7 @@ def _arena(args: argparse.Namespace) -> None:
 
         record_run(args.out, device="vllm serve (cpu)", **run_options)
         run_served_arena(
-            args.model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), args.out, workload.score,
+            args.model, tokenizer, samples, plan, args.out, workload.score,
             horizon=lambda: _horizon(ensure_calibrated(args.model), args.model),
             show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens, shadow_rate=args.shadow_rate,
         )  # fmt: skip
@@ -658,7 +657,7 @@ def _arena(args: argparse.Namespace) -> None:
         cache_model = load_model(args.cache_model, seed=args.seed, dtype=DTYPES[args.dtype], device=model.device)
     config = ArenaConfig(checkpoint_interval=args.checkpoint_interval or None, cache_model=cache_model)
     run_arena(
-        model, tokenizer, samples, ArenaPlan(args.workload, methods, budgets), config, args.out, workload.score,
+        model, tokenizer, samples, plan, config, args.out, workload.score,
         show_progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     write_summary()

@@ -47,28 +47,39 @@ RECIPE_ENTRY_POINTS = "hybridkv.recipes"
 DECLARED = ("name", "uses_budget", "uses_checkpoints", "reuses_kv", "engine_resumable")
 
 
+# Registered methods already loaded, by name: a request naming one (the vLLM connector's per-request
+# `method`) does not scan the installed packages again.
+_REGISTERED: dict[str, RecoveryMethod] = {}
+
+
 def recovery_methods() -> dict[str, RecoveryMethod]:
     """Every recovery method by name: the built-in ones, then those registered under
     `hybridkv.recipes` (a built-in name cannot be taken). A registered method that does not declare
     what the protocol asks is refused in one line naming what it lacks."""
     found = dict(METHODS)
     for entry_point in entry_points(group=RECIPE_ENTRY_POINTS):
-        if entry_point.name in found:
-            continue
-        method = entry_point.load()()
-        where = f"method {entry_point.name!r} ({entry_point.value})"
-        if missing := [flag for flag in DECLARED if not hasattr(method, flag)]:
-            raise HybridKVError(f"{where} does not declare {', '.join(missing)}; see RecoveryMethod")
-        if not callable(getattr(method, "recipe", None)):
-            raise HybridKVError(f"{where} has no recipe(hit, budget); see RecoveryMethod")
-        if method.name != entry_point.name:
-            raise HybridKVError(f"{where} is named {method.name!r}: register it under its own name")
-        found[entry_point.name] = method
+        if entry_point.name not in found:
+            found[entry_point.name] = _REGISTERED.get(entry_point.name) or _load(entry_point)
     return found
 
 
+def _load(entry_point) -> RecoveryMethod:
+    method = entry_point.load()()
+    where = f"method {entry_point.name!r} ({entry_point.value})"
+    if missing := [flag for flag in DECLARED if not hasattr(method, flag)]:
+        raise HybridKVError(f"{where} does not declare {', '.join(missing)}; see RecoveryMethod")
+    if not callable(getattr(method, "recipe", None)):
+        raise HybridKVError(f"{where} has no recipe(hit, budget); see RecoveryMethod")
+    if method.name != entry_point.name:
+        raise HybridKVError(f"{where} is named {method.name!r}: register it under its own name")
+    _REGISTERED[entry_point.name] = method
+    return method
+
+
 def get_method(name: str) -> RecoveryMethod:
-    methods = recovery_methods()
+    if (method := METHODS.get(name) or _REGISTERED.get(name)) is not None:
+        return method
+    methods = recovery_methods()  # not seen yet: scan what is installed now
     try:
         return methods[name]
     except KeyError:

@@ -87,7 +87,6 @@ class BlockStore:
         self.salt = salt
         self._namespaces: dict[str | None, PrefixKeys] = {}
         self._codec = BlockCodec(store, fingerprint, "vllm-kv", "vllm-state")
-        self._walk = self._codec.walk
 
     def keys(self, request_salt: str | None = None) -> PrefixKeys:
         if request_salt not in self._namespaces:
@@ -156,7 +155,7 @@ class BlockStore:
                 raise CorruptEntry("block does not match this engine's attention layout")
             return stored, entry
 
-        walk = self._walk.match(prompt.keys, prompt.chain, prompt.wanted, decode)
+        walk = self._codec.walk.match(prompt.keys, prompt.chain, prompt.wanted, decode)
         found = PageMatch(walk.length)
         for block in walk.blocks:
             found.blocks.append(block.page.tensors)
@@ -186,7 +185,9 @@ class BlockStore:
         first = method.recipe(PositionsMatch(found.length, tuple(checkpoints)), budget)
         if method.uses_checkpoints and not first.state_seed and found.length:
             # a shorter stored prompt this one extends (a shared document) may hold a state at its end
-            ends = self._walk.prompt_ends(prompt.keys, prompt.chain, prompt.wanted, first.state_position, found.length)
+            ends = self._codec.walk.prompt_ends(
+                prompt.keys, prompt.chain, prompt.wanted, first.state_position, found.length
+            )
             checkpoints += [c for c in ends if c % alignment == 0]
         states, exact_states = None, False
         while True:  # the checkpoint the recipe picks, if it reads; else its pick among those left
