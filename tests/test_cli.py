@@ -4,13 +4,29 @@ line before any work starts."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
 import pytest
 
 from hybridkv.cache import CHECKPOINT_INTERVAL
-from hybridkv.cli import BUDGETS, INTS, NAMES, _add_fields, _arena_plan, _build_parser, _config, comma_list, main
+from hybridkv.cli import (
+    BUDGETS,
+    COMMANDS,
+    INTS,
+    NAMES,
+    ArenaRun,
+    Device,
+    Model,
+    _add_fields,
+    _arena_dtype,
+    _arena_plan,
+    _build_parser,
+    _config,
+    comma_list,
+    main,
+)
 from hybridkv.eval.arena import ArenaPlan
 from hybridkv.eval.calibrate import CalibrateConfig
 from hybridkv.eval.contract import ArenaConfig
@@ -38,11 +54,44 @@ def _defaults(*argv: str):
         (["arena", "run"], lambda a: _config(ArenaConfig, a), ArenaConfig()),
         (["vllm-bench"], lambda a: _config(BenchPlan, a, model="m", shape=_config(Shape, a)), BenchPlan("m")),
         (["train", "RUN"], lambda a: _config(TrainConfig, a), TrainConfig(run_dir=Path("RUN"))),
+        (["arena", "run"], lambda a: _config(ArenaRun, a), ArenaRun()),
+        (["probe"], lambda a: _config(Model, a), Model()),
+        (["validate"], lambda a: _config(Device, a), Device()),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else "",
 )
 def test_every_commands_defaults_are_its_configs(argv, made, expected):
     assert made(_defaults(*argv)) == expected
+
+
+def _options(parser) -> dict[str, object]:
+    """Every command's parser by its name ("arena run")."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= {f"{name} {k}": v for k, v in _options(sub).items()} or {name: sub}
+    return found
+
+
+def test_every_option_of_every_command_is_a_field_of_its_configs():
+    parsers = _options(_build_parser())
+    assert sorted(parsers) == sorted(c.name for c in COMMANDS)
+    for command in COMMANDS:
+        fields = set()
+        for options in command.options:
+            config, overrides = options if isinstance(options, tuple) else (options, {})
+            skip = overrides.get("skip", ())
+            fields |= {f.name for f in dataclasses.fields(config) if "help" in f.metadata and f.name not in skip}
+        dests = {a.dest for a in parsers[command.name]._actions if a.dest not in ("help", "run")}
+        assert dests == fields, command.name
+
+
+def test_the_arenas_dtype_left_out_is_the_engines():
+    assert _arena_dtype(_defaults("arena", "run")) == Device().dtype
+    assert _arena_dtype(_defaults("arena", "run", "--engine", "vllm")) == "bfloat16"
+    assert _arena_dtype(_defaults("arena", "run", "--engine", "vllm", "--dtype", "bfloat16")) == "bfloat16"
+    assert _arena_dtype(_defaults("arena", "run", "--dtype", "float16")) == "float16"
 
 
 def test_the_checkpoint_interval_default_is_one_constant():
