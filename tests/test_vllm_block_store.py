@@ -430,9 +430,9 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     import threading
 
     pytest.importorskip("vllm")
-    from hybridkv.integrations.vllm.worker_side import _Writer
+    from hybridkv.integrations.vllm.writes import StoreWriter
 
-    writer = _Writer()
+    writer = StoreWriter("file:///unused")
     first, later, later_began = threading.Event(), threading.Event(), threading.Event()
     written: list[str] = []
     writer.submit(lambda: (first.wait(10), written.append("first")))
@@ -443,14 +443,14 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     first.set()
     assert writer.wait(mark, timeout=10) and written == ["first"]  # it did not wait for the later save
     assert later_began.wait(10)  # the later save holds the thread; these queue behind it
-    for _ in range(_Writer.MAX_BACKLOG):
+    for _ in range(StoreWriter.MAX_BACKLOG):
         writer.submit(lambda: written.append("queued"))
     assert writer.full()
     later.set()
     assert writer.drain(timeout=10) and not writer.full()
-    assert written == ["first", "later"] + ["queued"] * _Writer.MAX_BACKLOG
+    assert written == ["first", "later"] + ["queued"] * StoreWriter.MAX_BACKLOG
     writer.close()
-    assert writer not in _Writer.registry
+    assert writer not in StoreWriter.registry.get("file:///unused", [])
 
 
 def test_a_bench_model_directory_holding_another_bench_model_is_refused(tmp_path):

@@ -51,7 +51,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from hybridkv.errors import HybridKVError  # noqa: E402
 from hybridkv.integrations.vllm.connector import HybridKVConnector  # noqa: E402
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, LoadOp, SaveOp  # noqa: E402
-from hybridkv.integrations.vllm.worker_side import _Writer  # noqa: E402
+from hybridkv.integrations.vllm.writes import StoreWriter  # noqa: E402
 from hybridkv.methods import Budget  # noqa: E402
 from hybridkv.methods.seeded_replay import SeededReplay  # noqa: E402
 
@@ -228,7 +228,7 @@ def request(req_id: str, prompt: list[int]) -> SimpleNamespace:
 def save(engine: Engine, prompt: list[int], blocks: dict[int, list[int]]) -> None:
     """The worker's save of a finished prefill, with its blocks in each group."""
     mla, kda = engine.groups_of(MLAAttentionSpec), engine.groups_of(MambaSpec)
-    op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in mla}, {g: blocks[g][0] for g in kda})
+    op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in mla} | {g: blocks[g][:1] for g in kda})
     engine.worker.bind_connector_metadata(HybridKVMetadata(saves=[op]))
     engine.worker.wait_for_save()
     engine.worker.clear_connector_metadata()
@@ -272,7 +272,7 @@ def engine(vllm_config, kv_cache_config, tmp_path):
     yield engine
     engine.worker.shutdown()
     engine.scheduler.shutdown()
-    _Writer.drain_all()
+    StoreWriter.drain_all()
 
 
 def test_vllm_groups_glm_caches_as_the_connector_expects(engine, kv_cache_config, latent_cache):
@@ -393,7 +393,7 @@ def test_verified_pages_held_for_unadmitted_requests_are_capped_in_bytes(vllm_co
         finally:
             engine.worker.shutdown()
             engine.scheduler.shutdown()
-            _Writer.drain_all()
+            StoreWriter.drain_all()
     assert one_request_mib is not None and one_request_mib > 0.001
     for bad in ("lots", 0, -1):
         with pytest.raises(HybridKVError, match="max_held_mib .*: a positive number of MiB"):
@@ -407,7 +407,7 @@ def test_a_load_off_the_pool_grid_fails_and_writes_nothing(engine):
     blocks = request_blocks(engine, first=1, count=1)
     page_sizes, _ = engine.worker._side._layouts()
     pages = {name: torch.zeros(size, dtype=torch.uint8) for name, size in page_sizes.items()}
-    op = LoadOp("d", [pages], None, {attention: blocks[attention]}, {}, start=100)
+    op = LoadOp("d", [pages], None, {attention: blocks[attention]}, start=100)
     scramble(engine.raw, seed=9)
     before = engine.raw.clone()
     engine.worker.bind_connector_metadata(HybridKVMetadata(loads=[op]))
@@ -425,7 +425,7 @@ def test_a_stored_page_of_another_size_fails_the_load(engine):
     pages = {
         name: torch.zeros(1 if "k_cache" in name else size, dtype=torch.uint8) for name, size in page_sizes.items()
     }
-    op = LoadOp("e", [pages], None, {attention: blocks[attention]}, {}, start=POOL)
+    op = LoadOp("e", [pages], None, {attention: blocks[attention]}, start=POOL)
     engine.worker.bind_connector_metadata(HybridKVMetadata(loads=[op]))
     engine.worker.start_load_kv(None)
     assert engine.worker.get_transfer_results(set()).failed_recving == {"e"}

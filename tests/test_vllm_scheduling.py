@@ -30,7 +30,7 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from hybridkv.errors import HybridKVError  # noqa: E402
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, LoadOp, SaveOp  # noqa: E402
-from hybridkv.integrations.vllm.worker_side import _Writer  # noqa: E402
+from hybridkv.integrations.vllm.writes import StoreWriter  # noqa: E402
 from tests.test_vllm_glm_groups import (  # noqa: E402
     BLOCK,
     Engine,
@@ -74,7 +74,7 @@ def engine(plain_config, tmp_path):
     yield engine
     engine.worker.shutdown()
     engine.scheduler.shutdown()
-    _Writer.drain_all()
+    StoreWriter.drain_all()
 
 
 def scheduled(new=(), cached=(), finished=()) -> SchedulerOutput:
@@ -128,8 +128,8 @@ def request_blocks(engine: Engine, first: int, count: int) -> dict[int, list[int
 
 def save(engine: Engine, prompt: list[int], blocks: dict[int, list[int]]) -> None:
     """The worker's save of a finished prefill, with its blocks in each group."""
-    states = {g: blocks[g][0] for g in engine.groups_of(MambaSpec)}
-    op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in attention_groups(engine)}, states)
+    states = {g: blocks[g][:1] for g in engine.groups_of(MambaSpec)}
+    op = SaveOp("saved", prompt, 0, {g: blocks[g] for g in attention_groups(engine)} | states)
     step_worker(engine, HybridKVMetadata(saves=[op]))
     assert engine.worker._side._writer.drain(timeout=30)
 
@@ -173,7 +173,7 @@ def test_a_synchronous_load_the_worker_cannot_make_stops_the_step_and_an_asynchr
     blocks = request_blocks(engine, 0, 2)
     attention = {g: blocks[g] for g in attention_groups(engine)}
     for sync in (True, False):
-        op = LoadOp(f"r-{sync}", [], None, attention, {}, failed=True, start=BLOCK, sync=sync)
+        op = LoadOp(f"r-{sync}", [], None, attention, failed=True, start=BLOCK, sync=sync)
         engine.worker.bind_connector_metadata(HybridKVMetadata(loads=[op]))
         if sync:
             with pytest.raises(HybridKVError, match="synchronous load of request r-True failed"):

@@ -84,7 +84,7 @@ class RecordingShadow:
 def shadowed_engine(plain_config, tmp_path):  # noqa: F811
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
-    from hybridkv.integrations.vllm.worker_side import _Writer
+    from hybridkv.integrations.vllm.writes import StoreWriter
 
     groups = get_kv_cache_groups(plain_config, plain_hybrid_specs())
     engine = make_engine(
@@ -94,7 +94,7 @@ def shadowed_engine(plain_config, tmp_path):  # noqa: F811
     yield engine
     engine.worker.shutdown()
     engine.scheduler.shutdown()
-    _Writer.drain_all()
+    StoreWriter.drain_all()
 
 
 def finished(req, outputs: list[int], greedy: bool = True):
@@ -227,7 +227,7 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
 
 
 def test_a_method_vllm_cannot_run_is_refused_at_start_and_a_requests_own_falls_back(monkeypatch):
-    from hybridkv.integrations.vllm.scheduler_side import SchedulerSide
+    from hybridkv.integrations.vllm.lookup import request_budget, request_method
     from hybridkv.methods import METHODS
     from hybridkv.methods.tail_replay import TailReplay
 
@@ -237,13 +237,12 @@ def test_a_method_vllm_cannot_run_is_refused_at_start_and_a_requests_own_falls_b
     with pytest.raises(HybridKVError, match=r"^method 'tail-replay' cannot run in vLLM: its recipe needs more"):
         ConnectorConfig.parse({"method": "tail-replay"}, "model")
     # A request naming one gets the engine's method (the request is served, not failed).
-    side = SchedulerSide.__new__(SchedulerSide)
-    side.config = ConnectorConfig.parse({"method": "zero-state"}, "model")
+    config = ConnectorConfig.parse({"method": "zero-state"}, "model")
     ask = [SimpleNamespace(request_id="r", kv_transfer_params=params)
            for params in ({"method": "tail-replay"}, {"method": "checkpoint"}, {"method": 3}, None)]  # fmt: skip
-    assert [side._request_method(r).name for r in ask] == ["zero-state", "checkpoint", "zero-state", "zero-state"]
+    assert [request_method(config, r).name for r in ask] == ["zero-state", "checkpoint", "zero-state", "zero-state"]
     budgets = [SimpleNamespace(request_id="r", kv_transfer_params={"replay_budget": b}) for b in ("0.2", "lots", 2)]
-    assert [str(side._request_budget(r)) for r in budgets] == ["0.2", "0.05", "0.05"]  # a bad one: the engine's
+    assert [str(request_budget(config, r)) for r in budgets] == ["0.2", "0.05", "0.05"]  # a bad one: the engine's
 
 
 def test_a_shadow_process_killed_mid_check_fails_its_jobs_says_so_and_the_next_job_starts_another(monkeypatch):

@@ -15,10 +15,10 @@ class LoadOp:
     req_id: str
     blocks: list[Pages]  # verified pages of the blocks covering [0, start), in order
     states: Pages | None  # the exact linear states at start, or None: zero them
-    attention_blocks: dict[int, list[int]]  # attention group -> its block ids covering [0, start)
-    state_slots: dict[int, int]  # mamba group -> the request's state slot
+    # group -> the blocks the load writes (`group_kinds`): an attention group's covering [0, start),
+    # a state group's slot, a ring group's ring
+    targets: dict[int, list[int]]
     failed: bool = False  # nothing to load: the worker reports the load failed, and vLLM recomputes
-    ring_blocks: dict[int, int] = field(default_factory=dict)  # ring group -> the request's ring block
     start: int = 0  # tokens loaded: vLLM prefills [start, end)
     sync: bool = False  # copied before the step's forward, which already computes from start
 
@@ -28,8 +28,9 @@ class SaveOp:
     req_id: str
     tokens: list[int]
     first_block: int  # blocks before it were loaded from the store: not written again
-    attention_blocks: dict[int, list[int]]  # attention group -> the prompt's block ids
-    state_slots: dict[int, int]
+    # group -> the blocks the save reads (`group_kinds`): an attention group's holding the prompt, a
+    # state group's slot (none when states are not saved)
+    sources: dict[int, list[int]]
     salt: str | None = None  # the request's cache_salt
     exact: bool = True  # False: the prompt was resumed from a zero state, its pages are approximate
 

@@ -7,42 +7,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.block_store import BlockStore, ResumePlan
-from hybridkv.integrations.vllm.config import ConnectorConfig, engine_method
+from hybridkv.integrations.vllm.block_store import BlockStore
+from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.in_flight import PromptsInFlight
 from hybridkv.integrations.vllm.layout import CacheGroups
+from hybridkv.integrations.vllm.lookup import HeldPages, Lookup, look_up
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, LoadOp, SaveOp
 from hybridkv.integrations.vllm.scheduler_shadow import ShadowChecks
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
-from hybridkv.integrations.vllm.worker_side import drain_local_saves
-from hybridkv.methods import Budget, RecoveryMethod
-from hybridkv.methods.seeded_replay import SeededReplay
 
 log = logging.getLogger("hybridkv.vllm")
-# Above the ladder's first rung the configured method gives way: seeded-replay at a longer tail, then
-# an exact stored state anywhere in the match (`shadow.ShadowGuard`).
-LADDER_METHOD = SeededReplay()
-
-
-@dataclass
-class _Lookup:  # scheduler-side record of a request's lookup, with its verified pages until loaded
-    matched: int
-    start: int
-    exact_state: bool = False  # resumed from a stored state, and everything loaded was exact
-    resume: ResumePlan | None = None
-    zero_state: bool = False  # resumed at start from zeroed linear states (a tail replay)
-    budget: str = ""  # the replay budget it was looked up with
-    rung: int = 0  # the shadow guard's rung it was looked up at
 
 
 @dataclass
@@ -70,19 +51,15 @@ class SchedulerSide(ConnectorSide):
         # running request of a hybrid model), so they are made only where the lookup verified
         # every page's size and nothing is left for the worker to reject.
         self.sync_loads = None not in groups.page_bytes.values()
-        self._lookups: dict[str, Future[_Lookup]] = {}
-        self._hits: dict[str, _Lookup] = {}
+        self._lookups: dict[str, Future[Lookup]] = {}
+        self._hits: dict[str, Lookup] = {}
         self._loads: dict[str, LoadOp] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._salts: dict[str, str | None] = {}  # a request's cache_salt, until it finishes
         self._uncacheable: set[str] = set()  # requests with a LoRA adapter or multimodal inputs
         self.in_flight = PromptsInFlight(lambda: self._count("lookups_deferred"))
         self._lookup_pool: ThreadPoolExecutor | None = None
-        # verified pages wait in memory for their request's admission: bound how many requests hold
-        # them (lookups in flight included) and their bytes (a long prompt's pages weigh more)
-        self._max_pending = 2 * max_num_seqs
-        self._held = 0  # hits holding verified pages
-        self._held_bytes = 0
+        self.held = HeldPages(2 * max_num_seqs, config.max_held_bytes)
         # shadow checks (`shadow.py`) of the served checkpoint `model`, served in `dtype`
         self.shadow = ShadowChecks(self, model, dtype)
         self.shadow_guard = self.shadow.guard
@@ -90,7 +67,7 @@ class SchedulerSide(ConnectorSide):
     @property
     def held_bytes(self) -> int:
         """Bytes of verified pages held in memory for requests vLLM has not admitted yet."""
-        return self._held_bytes
+        return self.held.bytes
 
     @property
     def lookups_in_flight(self) -> int:
@@ -114,10 +91,8 @@ class SchedulerSide(ConnectorSide):
             if lookup is None and self.in_flight.holds_back(request):
                 return None, False
             if lookup is None:  # read and verify off the engine loop; other requests go on meanwhile
-                if len(self._lookups) + self._held >= self._max_pending or (
-                    self._held and self._held_bytes >= self.config.max_held_bytes
-                ):
-                    return None, False  # enough pages held for requests not yet admitted: ask later
+                if self.held.full(len(self._lookups)):
+                    return None, False
                 self._salts[req_id] = getattr(request, "cache_salt", None)
                 if self._lookup_pool is None:
                     self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridkv-lookup")
@@ -134,9 +109,7 @@ class SchedulerSide(ConnectorSide):
             # in this same step (before vLLM builds the step's metadata), waits for its pages.
             tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
             self.in_flight.computing(req_id, tokens, self._salts.get(req_id), hit.matched)
-            if hit.resume is not None:
-                self._held += 1
-                self._held_bytes += hit.resume.nbytes
+            self.held.hold(hit)
             self._count("lookups")
             if hit.matched and not hit.start:  # nothing to load: the whole match is replayed
                 self._record_hit(hit)
@@ -151,71 +124,24 @@ class SchedulerSide(ConnectorSide):
         if isinstance(meta, HybridKVWorkerMetadata):
             self.in_flight.saved(meta.saved)
 
-    def _take_pages(self, hit: _Lookup) -> ResumePlan | None:
-        """The hit's verified pages, which leave it (loaded, declined or dropped)."""
-        resume, hit.resume = hit.resume, None
-        if resume is not None:
-            self._held -= 1
-            self._held_bytes -= resume.nbytes
-        return resume
-
-    def _record_hit(self, hit: _Lookup) -> None:
+    def _record_hit(self, hit: Lookup) -> None:
         with self._stats_lock:
             self._stats.record_hit(hit.matched, hit.start, hit.exact_state)
 
     @timed("lookup_seconds")
-    def _look_up(self, request) -> _Lookup:
-        """Find, read and verify a request's pages; claim nothing that is not verified in memory."""
-        attention, states = self._layouts()
-        method, budget, horizon = (
-            self._request_method(request),
-            self._request_budget(request),
-            self.config.replay_horizon,
-        )
-        guard = self.shadow_guard
-        rung = guard.effective_rung
-        if rung >= guard.top:  # the ladder's top: nothing is read
-            return _Lookup(0, 0, rung=rung)
-        if rung >= guard.exact_rung:  # the whole match is in reach: an exact stored state anywhere in it
-            method, budget, horizon = LADDER_METHOD, Budget(fraction=1.0), None
-        elif rung > 0:
-            method, budget, horizon = LADDER_METHOD, guard.tails[rung - 1], None
-        try:
-            drain_local_saves()  # this process's own saves first (see worker_side._Writer)
-            resume = self.blocks.resume(
-                list(request.prompt_token_ids), attention, states, method, budget,
-                getattr(request, "cache_salt", None), horizon, self.pool_alignment,
-            )  # fmt: skip
-            if rung >= guard.exact_rung and resume.start and not resume.exact:
-                return _Lookup(resume.matched, 0, rung=rung)  # only an inexact state in reach: a full prefill
-            exact_state = resume.states is not None and resume.exact
-            zero_state = resume.start > 0 and resume.states is None
-            return _Lookup(
-                resume.matched, resume.start, exact_state, resume if resume.start else None, zero_state,
-                str(budget), rung,
-            )  # fmt: skip
-        except Exception:  # never take the engine down over a cache: recompute instead
-            log.exception("hybridkv: lookup failed for request %s; computing it in full", request.request_id)
-            return _Lookup(0, 0, rung=rung)
-
-    def _request_method(self, request) -> RecoveryMethod:
-        return _request_setting(request, "method", engine_method, self.config.method)
-
-    def _request_budget(self, request) -> Budget:
-        return _request_setting(
-            request, "replay_budget", lambda value: Budget.parse(str(value)), self.config.replay_budget
-        )
+    def _look_up(self, request) -> Lookup:
+        return look_up(self, self.shadow_guard, request)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         # The load writes every linear state slot (the checkpoint, or zeros) and clears every ring:
         # vLLM must not zero them after it, as it would a state group it thinks nothing restored.
-        return tuple(sorted([*self.attention_groups, *self.mamba_groups, *self.ring_groups]))
+        return tuple(sorted(self.kind_of))
 
     @timed("hook_seconds")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
         if not num_external_tokens:  # no load, or the second call once a load is done
-            if hit is not None and self._take_pages(hit) is not None:  # vLLM declined the load
+            if hit is not None and self.held.take(hit) is not None:  # vLLM declined the load
                 hit.start, hit.exact_state = 0, False
                 self._record_hit(hit)
             return
@@ -225,26 +151,20 @@ class SchedulerSide(ConnectorSide):
             log.warning("hybridkv: request %s expects a load of %d tokens that is not staged; recomputing it",
                         request.request_id, num_external_tokens)  # fmt: skip
             self._loads[request.request_id] = LoadOp(
-                request.request_id, [], None, {}, {}, failed=True, sync=self.sync_loads
+                request.request_id, [], None, {}, failed=True, sync=self.sync_loads
             )
             if hit is not None:
-                never_counted = self._take_pages(hit) is not None  # no load was made for it
+                never_counted = self.held.take(hit) is not None  # no load was made for it
                 hit.start, hit.exact_state = 0, False
                 if never_counted:
                     self._record_hit(hit)
             return
         ids = blocks.get_block_ids()
-        resume = self._take_pages(hit)  # the pages leave with the load
+        resume = self.held.take(hit)  # the pages leave with the load
         self._record_hit(hit)  # reuse counts once the load is made, not when it was found
+        targets = {g: b for kind in self.kinds for g, b in kind.load_targets(ids, len(resume.blocks)).items()}
         self._loads[request.request_id] = LoadOp(
-            request.request_id,
-            resume.blocks,
-            resume.states,
-            {g: list(ids[g][: len(resume.blocks)]) for g in self.attention_groups},
-            {g: ids[g][0] for g in self.mamba_groups},
-            ring_blocks={g: ids[g][0] for g in self.ring_groups if ids[g]},
-            start=resume.start,
-            sync=self.sync_loads,
+            request.request_id, resume.blocks, resume.states, targets, start=resume.start, sync=self.sync_loads
         )
 
     @timed("hook_seconds")
@@ -291,17 +211,12 @@ class SchedulerSide(ConnectorSide):
         tracked.saved = True  # the prompt is complete after this step: save it once
         self.in_flight.saving(req_id)
         blocks = -(-len(tracked.tokens) // self.block_size)
-        meta.saves.append(
-            SaveOp(
-                req_id,
-                tracked.tokens,
-                tracked.first_block,
-                {g: tracked.block_ids[g][:blocks] for g in self.attention_groups},
-                {g: tracked.block_ids[g][0] for g in self.mamba_groups} if self.config.save_states else {},
-                tracked.salt,
-                tracked.exact,
-            )
-        )
+        sources = {
+            group: ids
+            for kind in self.kinds
+            for group, ids in kind.save_sources(tracked.block_ids, blocks, self.config.save_states).items()
+        }
+        meta.saves.append(SaveOp(req_id, tracked.tokens, tracked.first_block, sources, tracked.salt, tracked.exact))
 
     def _forget(self, req_id: str) -> dict | None:
         self._uncacheable.discard(req_id)
@@ -313,7 +228,7 @@ class SchedulerSide(ConnectorSide):
         hit = self._hits.pop(req_id, None)
         if hit is None:
             return None
-        self._take_pages(hit)
+        self.held.take(hit)
         return {"matched": hit.matched, "reused": hit.start, "exact_state": hit.exact_state}
 
     @timed("hook_seconds")
@@ -333,17 +248,3 @@ class SchedulerSide(ConnectorSide):
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self.shadow.shutdown()
         super().shutdown()
-
-
-def _request_setting(request, key: str, read: Callable[[Any], Any], configured: Any) -> Any:
-    """A request's own `key` in its kv_transfer_params, read by `read`; the engine's `configured`
-    when it sets none, or one that is refused (with a warning: the request is served, not failed)."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if key not in params:
-        return configured
-    try:
-        return read(params[key])
-    except HybridKVError as err:
-        shown = getattr(configured, "name", configured)
-        log.warning("hybridkv: request %s: %s; using the engine's %s %s", request.request_id, err, key, shown)
-        return configured

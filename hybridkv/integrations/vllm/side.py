@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from hybridkv.integrations.vllm.block_store import BlockStore, Layout
 from hybridkv.integrations.vllm.config import ConnectorConfig
+from hybridkv.integrations.vllm.group_kinds import AttentionBlocks, RingBlocks, StateSlots
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metrics import STORE_ERROR_KINDS, HybridKVStats
 
@@ -25,6 +26,9 @@ class ConnectorSide:
         self.groups = groups
         self.attention_groups, self.mamba_groups = groups.attention, groups.mamba
         self.ring_groups = groups.rings
+        # one manager per kind of group (`group_kinds`), and each group's
+        self.kinds = (AttentionBlocks(groups.attention), StateSlots(groups.mamba), RingBlocks(groups.rings))
+        self.kind_of = {group: kind for kind in self.kinds for group in kind.groups}
         # s on the pool grid: the loaded blocks then hold whole pools only, and no pool is in progress
         self.pool_alignment = groups.pool_alignment
         self.blocks = blocks

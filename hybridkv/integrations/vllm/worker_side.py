@@ -1,11 +1,10 @@
 """The connector's worker side (`connector.py` tells the whole flow): copies each load's verified
 pages into the request's blocks and state slots, before the step's forward for a synchronous load
-and after it for an asynchronous one, and copies each finished prompt's pages out for `_Writer` to
+and after it for an asynchronous one, and copies each finished prompt's pages out for a `StoreWriter` to
 write to the store off the request's path."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -17,98 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from hybridkv.errors import HybridKVError
 from hybridkv.integrations.vllm.block_store import BlockStore
 from hybridkv.integrations.vllm.config import ConnectorConfig
+from hybridkv.integrations.vllm.group_kinds import Snapshot
 from hybridkv.integrations.vllm.layout import CacheGroups
 from hybridkv.integrations.vllm.metadata import HybridKVMetadata, HybridKVWorkerMetadata, SaveOp
 from hybridkv.integrations.vllm.side import ConnectorSide, timed
+from hybridkv.integrations.vllm.writes import StoreWriter
 
 log = logging.getLogger("hybridkv.vllm")
-
-
-class _Writer:
-    """Writes saved prompts to the store on one background thread, in the order they were queued.
-
-    Every writer of the process is registered, so a lookup in the same process (the scheduler of an
-    engine whose worker runs in its process) first waits for the writes queued before it began,
-    not for later ones. Across processes (`vllm serve` runs its worker in one of its own) a prompt's
-    pages land milliseconds after its answer, and a request looked up in that window misses them.
-    The backlog is bounded: with a slow or stalled store a save beyond it is dropped (a later miss),
-    never held in memory without limit."""
-
-    MAX_BACKLOG = 64  # queued saves, each holding its pages' copies
-    DRAIN_TIMEOUT_S = 5.0  # a lookup waits no longer for earlier saves (a stalled store)
-
-    registry: list[_Writer] = []
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
-        self._cond = threading.Condition()
-        self._submitted = self._completed = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="hybridkv-writer", daemon=True)
-        self._thread.start()
-        with self._lock:
-            _Writer.registry.append(self)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._jobs or self._closed)
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            try:
-                job()
-            except Exception:  # a cache that cannot be written costs reuse later, never a request
-                log.exception("hybridkv: a background save failed")
-            finally:
-                with self._cond:
-                    self._completed += 1
-                    self._cond.notify_all()
-
-    def full(self) -> bool:
-        with self._cond:
-            return len(self._jobs) >= self.MAX_BACKLOG
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            self._jobs.append(job)
-            self._submitted += 1
-            self._cond.notify_all()
-
-    def mark(self) -> int:
-        """How many writes were submitted so far: what a drain begun now waits for."""
-        with self._cond:
-            return self._submitted
-
-    def wait(self, mark: int, timeout: float | None = DRAIN_TIMEOUT_S) -> bool:
-        """Wait until the first `mark` writes are done; False if `timeout` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._completed >= mark, timeout)
-
-    def drain(self, timeout: float | None = DRAIN_TIMEOUT_S) -> bool:
-        """Wait until the writes submitted before this call are done; False if `timeout` passed."""
-        return self.wait(self.mark(), timeout)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()  # every queued save reaches the store first
-        with self._lock:
-            if self in _Writer.registry:
-                _Writer.registry.remove(self)
-
-    @classmethod
-    def drain_all(cls) -> None:
-        for writer in list(cls.registry):
-            writer.drain()
-
-
-def drain_local_saves() -> None:
-    """Wait for the saves this process's workers queued so far (each writer a bounded time): a
-    lookup in the same process then finds them (see `_Writer`)."""
-    _Writer.drain_all()
 
 
 class WorkerSide(ConnectorSide):
@@ -117,24 +31,28 @@ class WorkerSide(ConnectorSide):
         self._kv: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
-        self._writer: _Writer | None = None
+        self._writer: StoreWriter | None = None
         self._saves_done: set[str] = set()  # filled by the writer thread, sent to the scheduler each step
         self._saves_done_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv = kv_caches
 
-    def _page(self, layer: str, block: int) -> torch.Tensor:
+    def page(self, layer: str, block: int) -> torch.Tensor:
+        """One layer's page of a block (or state slot), as its raw bytes."""
         page = self._kv[layer][block]
         if not page.is_contiguous():
             raise HybridKVError(f"{layer}: a KV-cache block is not contiguous; this vLLM layout is not supported")
         return page.view(torch.uint8).reshape(-1)
 
-    def _restore(self, layer: str, block: int, stored: torch.Tensor) -> None:
-        page = self._page(layer, block)
+    def restore_page(self, layer: str, block: int, stored: torch.Tensor) -> None:
+        page = self.page(layer, block)
         if stored.numel() * stored.element_size() != page.numel():  # copy_ would broadcast a 1-byte page
             raise HybridKVError(f"{layer}: a stored page of {stored.numel()} bytes for a {page.numel()}-byte page")
         page.copy_(stored.view(torch.uint8).reshape(-1))
+
+    def clear_block(self, layer: str, block: int) -> None:
+        self._kv[layer][block].zero_()
 
     @timed("copy_seconds")
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
@@ -149,19 +67,8 @@ class WorkerSide(ConnectorSide):
                     raise HybridKVError("nothing was staged for this load")
                 if load.start % self.pool_alignment:  # a pool in progress at start: its ring is not stored
                     raise HybridKVError(f"start {load.start} is off the {self.pool_alignment}-token pool grid")
-                for group, ids in load.attention_blocks.items():
-                    for block, pages in zip(ids, load.blocks, strict=True):
-                        for layer in self.attention_groups[group]:
-                            self._restore(layer, block, pages[layer])
-                for group, slot in load.state_slots.items():
-                    for layer in self.mamba_groups[group]:
-                        if load.states is not None:
-                            self._restore(layer, slot, load.states[layer])
-                        else:
-                            self._page(layer, slot).zero_()
-                for group, block in load.ring_blocks.items():  # no pool in progress at start
-                    for layer in self.ring_groups[group]:
-                        self._kv[layer][block].zero_()
+                for group, ids in load.targets.items():
+                    self.kind_of[group].restore(self, group, ids, load)
             except Exception as err:  # vLLM recomputes the request (kv_load_failure_policy "recompute")
                 if load.sync:  # the forward is about to compute from start over these blocks: stop it
                     raise HybridKVError(
@@ -180,7 +87,7 @@ class WorkerSide(ConnectorSide):
         if not isinstance(meta, HybridKVMetadata) or not meta.saves:
             return
         if self._writer is None:
-            self._writer = _Writer()
+            self._writer = StoreWriter(self.config.store)
         for save in meta.saves:
             try:
                 if self._writer.full():  # checked before the pages are copied out
@@ -202,20 +109,10 @@ class WorkerSide(ConnectorSide):
         return HybridKVWorkerMetadata(done) if done else None
 
     def _snapshot(self, save: SaveOp) -> Callable[[], None]:
-        count = len(next(iter(save.attention_blocks.values())))
-        pages = [
-            {
-                layer: self._page(layer, save.attention_blocks[group][index]).clone()
-                for group, layers in self.attention_groups.items()
-                for layer in layers
-            }
-            for index in range(save.first_block, count)
-        ]
-        states = {
-            layer: self._page(layer, slot).clone()
-            for group, slot in save.state_slots.items()
-            for layer in self.mamba_groups[group]
-        }
+        copied = Snapshot()
+        for group, ids in save.sources.items():
+            self.kind_of[group].copy_out(self, group, ids, save, copied)
+        pages, states = copied.blocks, copied.states
 
         def write() -> None:
             began = time.perf_counter()
