@@ -373,6 +373,94 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+@dataclass(frozen=True)
+class _Cell:
+    """One workload at one client count, as every configuration's row there is measured against:
+    the reference's (`no-cache`) replies, the split noise at that client count, and the cold requests."""
+
+    workload: str
+    clients: int
+    reference: list[tuple[int, int, Reply]]
+    noise: float | None
+    cold: set[int]
+
+
+def _summary_row(
+    plan: BenchPlan,
+    cell: _Cell,
+    config: str,
+    budget: str | None,
+    run: dict,
+    flat: list[tuple[int, int, Reply]],
+    fidelity: list[RequestFidelity],
+) -> dict:
+    """One configuration's row at `cell`: its TTFT, throughput, reuse, first-token fidelity and costs."""
+    _, wall, spent = run["results"][(cell.workload, cell.clients)]
+    ttfts = [r.ttft_s for _, _, r in flat]
+    clear, clear_requests = top1_clear(fidelity, cell.noise)
+    cold = cell.cold
+    return {
+        "workload": cell.workload,
+        "config": config,
+        "clients": cell.clients,
+        "engines": plan.engines,
+        "budget": budget,
+        "block_size": run["block_size"],
+        "requests": len(flat),
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "throughput_rps": len(flat) / wall,
+        "reused_tokens_per_request": statistics.mean(r.reused_tokens for _, _, r in flat),
+        "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for _, _, r in flat),
+        "top1_agreement": statistics.mean(float(f.agree) for f in fidelity),
+        "kl_mean": statistics.mean(f.kl for f in fidelity),
+        "top1_clear": clear,
+        "clear_requests": clear_requests,
+        # requests no cached configuration reused a token on (a prefix's first sight):
+        # every configuration pays their whole prefill, so they bound what a cache can save
+        "cold_requests": len(cold),
+        "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
+        "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
+        # prompt tokens computed (not reused), and, for hybridkv, those no stored prefix
+        # matched: every configuration computes them, whatever its budget
+        "computed_tokens_per_request": statistics.mean(r.prompt_tokens - r.reused_tokens for _, _, r in flat),
+        "unmatched_tokens_per_request": statistics.mean(r.prompt_tokens - r.hybridkv["matched"] for _, _, r in flat)
+        if config == "hybridkv"
+        else None,
+        # hybridkv only: the connector's milliseconds per request (hooks and lookup
+        # waits on the engine loop, page copies, lookups and writes on their threads)
+        **dict.fromkeys(CONNECTOR_FIELDS),
+        **dict.fromkeys(SHADOW_FIELDS),
+        **(spent or {}),
+    }
+
+
+def _disagreements(
+    cell: _Cell, config: str, budget: str | None, flat: list[tuple[int, int, Reply]], fidelity: list[RequestFidelity]
+) -> list[dict]:
+    """Every request of one configuration at `cell` whose first token differs from the reference's."""
+    return [
+        {
+            "workload": cell.workload,
+            "config": config,
+            "clients": cell.clients,
+            "budget": budget,
+            "session": session,
+            "turn": turn,
+            "lead": f.lead,
+            "gap": f.gap,
+            "kl": f.kl,
+            "clear": cell.noise is not None and f.clear(cell.noise),
+            "reused": got.reused_tokens,
+            "replayed": got.replayed_tokens,
+            "exact_state": got.hybridkv.get("exact_state") if got.hybridkv else None,
+        }
+        for f, (session, turn, got) in zip(fidelity, flat, strict=True)
+        if not f.agree
+    ]
+
+
 def summarise(plan: BenchPlan, measured: dict) -> dict:
     """One row per workload, client count and configuration; `split_noise` per client count; and
     every request whose first token differs from the reference's, with what tells a near-tie
@@ -383,77 +471,15 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
     for name in plan.workloads:
         for clients in plan.clients:
             reference = _flat(measured[("no-cache", None)]["results"][(name, clients)][0])
-            at = noise[str(clients)]
-            cold = _cold_requests(measured, name, clients)
+            cell = _Cell(name, clients, reference, noise[str(clients)], _cold_requests(measured, name, clients))
             for (config, budget), run in measured.items():
-                replies, wall, spent = run["results"][(name, clients)]
-                flat = _flat(replies)
-                ttfts = [r.ttft_s for _, _, r in flat]
+                flat = _flat(run["results"][(name, clients)][0])
                 fidelity = [
                     RequestFidelity.of(ref.logprobs, got.logprobs)
                     for (_, _, ref), (_, _, got) in zip(reference, flat, strict=True)
                 ]
-                clear, clear_requests = top1_clear(fidelity, at)
-                rows.append(
-                    {
-                        "workload": name,
-                        "config": config,
-                        "clients": clients,
-                        "engines": plan.engines,
-                        "budget": budget,
-                        "block_size": run["block_size"],
-                        "requests": len(flat),
-                        "ttft_mean_s": statistics.mean(ttfts),
-                        "ttft_p50_s": _percentile(ttfts, 50),
-                        "ttft_p99_s": _percentile(ttfts, 99),
-                        "throughput_rps": len(flat) / wall,
-                        "reused_tokens_per_request": statistics.mean(r.reused_tokens for _, _, r in flat),
-                        "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for _, _, r in flat),
-                        "top1_agreement": statistics.mean(float(f.agree) for f in fidelity),
-                        "kl_mean": statistics.mean(f.kl for f in fidelity),
-                        "top1_clear": clear,
-                        "clear_requests": clear_requests,
-                        # requests no cached configuration reused a token on (a prefix's first sight):
-                        # every configuration pays their whole prefill, so they bound what a cache can save
-                        "cold_requests": len(cold),
-                        "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
-                        "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
-                        # prompt tokens computed (not reused), and, for hybridkv, those no stored prefix
-                        # matched: every configuration computes them, whatever its budget
-                        "computed_tokens_per_request": statistics.mean(
-                            r.prompt_tokens - r.reused_tokens for _, _, r in flat
-                        ),
-                        "unmatched_tokens_per_request": statistics.mean(
-                            r.prompt_tokens - r.hybridkv["matched"] for _, _, r in flat
-                        )
-                        if config == "hybridkv"
-                        else None,
-                        # hybridkv only: the connector's milliseconds per request (hooks and lookup
-                        # waits on the engine loop, page copies, lookups and writes on their threads)
-                        **dict.fromkeys(CONNECTOR_FIELDS),
-                        **dict.fromkeys(SHADOW_FIELDS),
-                        **(spent or {}),
-                    }
-                )
-                disagreements += [
-                    {
-                        "workload": name,
-                        "config": config,
-                        "clients": clients,
-                        "budget": budget,
-                        "session": session,
-                        "turn": turn,
-                        "lead": f.lead,
-                        "gap": f.gap,
-                        "kl": f.kl,
-                        "clear": at is not None and f.clear(at),
-                        "reused": got.reused_tokens,
-                        "replayed": got.replayed_tokens,
-                        "exact_state": got.hybridkv.get("exact_state") if got.hybridkv else None,
-                    }
-                    for f, (session, turn, got) in zip(fidelity, flat, strict=True)
-                    if not f.agree
-                ]
+                rows.append(_summary_row(plan, cell, config, budget, run, flat, fidelity))
+                disagreements += _disagreements(cell, config, budget, flat, fidelity)
     return {
         "model": plan.model,
         "seed": plan.seed,
