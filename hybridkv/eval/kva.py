@@ -35,6 +35,7 @@ import re
 import statistics
 import subprocess
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError
@@ -214,17 +215,21 @@ def _item(row: dict, sample, f1: float) -> dict:
     }
 
 
-def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) -> list[Path]:
-    """Write one kva.result.v1 file per (method, budget, task) of a `--workload kvsharearena` run,
-    and the run's anchors file, into `to` (default RUN_DIR/kva; one folder per length when the run
-    has several); return the paths written. F1 is recomputed from the stored predictions."""
-    from hybridkv.eval.arena import read_rows
-    from hybridkv.eval.summary import rescore, summarise
-    from hybridkv.eval.workloads.frozen import load_frozen
-    from hybridkv.eval.workloads.kvsharearena import f1_raw
+@dataclass(frozen=True)
+class _Run:
+    """What every exported file says of the run as a whole: the model that answered, the versions
+    and git revision it ran on (run.json's, else this process's), and run.json itself."""
 
-    run_dir = Path(run_dir)
-    to = Path(to) if to is not None else run_dir / "kva"
+    model: str
+    versions: dict
+    git_rev: str | None
+    record: dict
+
+
+def _read_results(run_dir: Path) -> list[dict]:
+    """RUN_DIR/results.jsonl's rows, refused when there are none or some are not kvsharearena's."""
+    from hybridkv.eval.arena import read_rows
+
     results = run_dir / "results.jsonl"
     if not results.exists():
         raise HybridKVError(f"{results}: no results to export")
@@ -235,7 +240,11 @@ def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) 
         raise HybridKVError(
             f"{run_dir} holds {', '.join(others)} rows; --format kva exports --workload kvsharearena runs"
         )
-    samples = {sample.id: sample for sample in load_frozen(run_dir / "samples.jsonl")}
+    return rows
+
+
+def _read_run_facts(run_dir: Path, model: str | None) -> _Run:
+    """The run's model (`model` overrides run.json's; one of them must say), versions and revision."""
     run_file = run_dir / RUN_FILE
     run = _read_run(run_file) if run_file.exists() else {}
     if model is None and "model" not in run:
@@ -243,10 +252,108 @@ def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) 
     model = model or run["model"]
     run_versions = run.get("versions") or versions()
     git_rev = run["git_rev"] if "git_rev" in run else _git_rev()
+    return _Run(model, run_versions, git_rev, run)
+
+
+def _queryset(meta: dict) -> dict:
+    """The release files the samples came from, with their hashes, as KVShareArena names them."""
+    queryset = {"file": meta["file"], "sha256": meta["sha256"],
+                "manifest_checked": meta.get("manifest_checked")}  # fmt: skip
+    if "reports_file" in meta:
+        queryset.update({"reports_file": meta["reports_file"], "reports_sha256": meta["reports_sha256"]})
+    return queryset
+
+
+def _result_doc(key: tuple, items: list[dict], first, summary_row: dict, run: _Run, samples: dict) -> dict:
+    """One kva.result.v1 document: the (task, length, method, budget) group `key`'s `items`,
+    `first` its first sample, `summary_row` the arena summary's row for it (its PGR)."""
+    task, length, method, budget = key
+    name = method if budget is None else f"{method}@{budget}"
+    cap = run.record.get("max_new_tokens")
+    budget_tokens = first.meta["tokens_to_generate"] if cap is None else min(cap, first.meta["tokens_to_generate"])
+    return {
+        "schema": SCHEMA,
+        "summary": {
+            "method": name,
+            "track": first.meta["track"],
+            "subset": first.meta["subset"],
+            "model": run.model,
+            "n": len(items),
+            "backend": BACKEND,
+            "versions": run.versions,
+            "git_rev": run.git_rev,
+            "max_new_tokens": budget_tokens,
+            "queryset": _queryset(first.meta),
+            "f1_raw": statistics.fmean(item["f1_raw"] for item in items),
+            "pgr": summary_row["pgr"],
+            "pgr_ci95": summary_row["pgr_ci95"],
+            "recompute_fraction": sum(i["recomputed_layer_tokens"] for i in items)
+            / max(1, sum(i["dense_payload_layer_tokens"] for i in items)),
+            "hybridkv": {
+                "workload": "kvsharearena",
+                "task": task,
+                "length": length,
+                "method": method,
+                "budget": budget,
+                "dtype": run.record.get("dtype"),
+                "device": run.record.get("device"),
+                "samples_in_run": sum(1 for s in samples.values() if s.task == task and s.length == length),
+                "receiver": "LongBench template, no system prompt, no chat template",
+            },
+        },
+        "results": items,
+        "method_card": {
+            "name": name,
+            "provenance": provenance(method),
+            "backend": BACKEND,
+            "versions": run.versions,
+            "cost_notes": COST_NOTES,
+            "training_data": None,
+        },
+    }
+
+
+def _anchors_doc(model: str, settings: dict[tuple, dict]) -> dict | None:
+    """One length's anchors file in KVShareArena's layout: per (track, subset), the floor's and the
+    oracle's per-sample F1; None when no setting has both."""
+    tracks: dict[str, dict] = defaultdict(dict)
+    for (track, subset), anchor in sorted(settings.items()):
+        if {"floor", "oracle"} <= anchor.keys():
+            tracks[track][subset] = {**anchor, "sources": {"floor": "no-context", "oracle": "full"}}
+    if not tracks:
+        return None
+    return {
+        "model": model,
+        "model_slug": _slug(model.rstrip("/").split("/")[-1]),
+        "caliber": "KVShareArena f1_raw (LongBench token F1), recomputed by hybridkv",
+        "pgr_def": "PGR=(method-floor)/(oracle-floor); floor = hybridkv no-context, oracle = hybridkv full "
+        "prefill, same model, same samples",
+        "tracks": tracks,
+    }
+
+
+def _write_json(path: Path, doc: dict) -> Path:
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) -> list[Path]:
+    """Write one kva.result.v1 file per (method, budget, task) of a `--workload kvsharearena` run,
+    and the run's anchors file, into `to` (default RUN_DIR/kva; one folder per length when the run
+    has several); return the paths written. F1 is recomputed from the stored predictions."""
+    from hybridkv.eval.summary import rescore, summarise
+    from hybridkv.eval.workloads.frozen import load_frozen
+    from hybridkv.eval.workloads.kvsharearena import f1_raw
+
+    run_dir = Path(run_dir)
+    to = Path(to) if to is not None else run_dir / "kva"
+    rows = _read_results(run_dir)
+    samples = {sample.id: sample for sample in load_frozen(run_dir / "samples.jsonl")}
+    run = _read_run_facts(run_dir, model)
     rows = rescore(rows, lambda row: f1_raw(row["prediction"], row["golds"]))
     for row in rows:
         if row["id"] not in samples:
-            raise HybridKVError(f"{results}: row {row['id']} has no sample in samples.jsonl")
+            raise HybridKVError(f"{run_dir / 'results.jsonl'}: row {row['id']} has no sample in samples.jsonl")
     ours = {(r["task"], r["length"], r["method"], r["budget"]): r for r in summarise(rows)["rows"]}
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for row in rows:
@@ -255,90 +362,26 @@ def export_kva(run_dir: Path, to: Path | None = None, model: str | None = None) 
     written = []
     anchors: dict[int, dict] = defaultdict(lambda: defaultdict(dict))
     order = {sample_id: index for index, sample_id in enumerate(samples)}
-    for (task, length, method, budget), by_id in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for key, by_id in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        _, length, method, _ = key
         folder = to / str(length) if len(lengths) > 1 else to
         picked = sorted(by_id.values(), key=lambda row: order[row["id"]])
         first = samples[picked[0]["id"]]
-        track, subset = first.meta["track"], first.meta["subset"]
-        name = method if budget is None else f"{method}@{budget}"
         items = [_item(row, samples[row["id"]], row["score"]) for row in picked]
+        doc = _result_doc(key, items, first, ours[key], run, samples)
+        track, subset, name = first.meta["track"], first.meta["subset"], doc["summary"]["method"]
         if method in ("no-context", "full"):
-            key = "floor" if method == "no-context" else "oracle"
-            anchors[length][(track, subset)][key] = {item["_id"]: item["f1_raw"] for item in items}
-        summary_row = ours[(task, length, method, budget)]
-        cap = run.get("max_new_tokens")
-        budget_tokens = first.meta["tokens_to_generate"] if cap is None else min(cap, first.meta["tokens_to_generate"])
-        queryset = {"file": first.meta["file"], "sha256": first.meta["sha256"],
-                    "manifest_checked": first.meta.get("manifest_checked")}  # fmt: skip
-        if "reports_file" in first.meta:
-            queryset.update(
-                {"reports_file": first.meta["reports_file"], "reports_sha256": first.meta["reports_sha256"]}
-            )
-        doc = {
-            "schema": SCHEMA,
-            "summary": {
-                "method": name,
-                "track": track,
-                "subset": subset,
-                "model": model,
-                "n": len(items),
-                "backend": BACKEND,
-                "versions": run_versions,
-                "git_rev": git_rev,
-                "max_new_tokens": budget_tokens,
-                "queryset": queryset,
-                "f1_raw": statistics.fmean(item["f1_raw"] for item in items),
-                "pgr": summary_row["pgr"],
-                "pgr_ci95": summary_row["pgr_ci95"],
-                "recompute_fraction": sum(i["recomputed_layer_tokens"] for i in items)
-                / max(1, sum(i["dense_payload_layer_tokens"] for i in items)),
-                "hybridkv": {
-                    "workload": "kvsharearena",
-                    "task": task,
-                    "length": length,
-                    "method": method,
-                    "budget": budget,
-                    "dtype": run.get("dtype"),
-                    "device": run.get("device"),
-                    "samples_in_run": sum(1 for s in samples.values() if s.task == task and s.length == length),
-                    "receiver": "LongBench template, no system prompt, no chat template",
-                },
-            },
-            "results": items,
-            "method_card": {
-                "name": name,
-                "provenance": provenance(method),
-                "backend": BACKEND,
-                "versions": run_versions,
-                "cost_notes": COST_NOTES,
-                "training_data": None,
-            },
-        }
+            anchor = "floor" if method == "no-context" else "oracle"
+            anchors[length][(track, subset)][anchor] = {item["_id"]: item["f1_raw"] for item in items}
         if found := problems(doc):
             raise HybridKVError(f"{name} {track}/{subset}: the export is not {SCHEMA}: {'; '.join(found)}")
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{_slug(name)}_{track}_{subset}.json"
-        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        written.append(path)
+        written.append(_write_json(folder / f"{_slug(name)}_{track}_{subset}.json", doc))
     for length, settings in sorted(anchors.items()):
-        tracks: dict[str, dict] = defaultdict(dict)
-        for (track, subset), anchor in sorted(settings.items()):
-            if {"floor", "oracle"} <= anchor.keys():
-                tracks[track][subset] = {**anchor, "sources": {"floor": "no-context", "oracle": "full"}}
-        if not tracks:
+        if (doc := _anchors_doc(run.model, settings)) is None:
             continue
         folder = to / str(length) if len(lengths) > 1 else to
-        doc = {
-            "model": model,
-            "model_slug": _slug(model.rstrip("/").split("/")[-1]),
-            "caliber": "KVShareArena f1_raw (LongBench token F1), recomputed by hybridkv",
-            "pgr_def": "PGR=(method-floor)/(oracle-floor); floor = hybridkv no-context, oracle = hybridkv full "
-            "prefill, same model, same samples",
-            "tracks": tracks,
-        }
-        path = folder / f"anchors_{doc['model_slug']}.json"
-        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        written.append(path)
+        written.append(_write_json(folder / f"anchors_{doc['model_slug']}.json", doc))
     return written
 
 

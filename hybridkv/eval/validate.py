@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from hybridkv.cache import CHECKPOINT_INTERVAL, CachedMatch, PrefixCache, capture_prompt
+from hybridkv.cache import CHECKPOINT_INTERVAL, CachedMatch, CachedPrompt, PrefixCache, capture_prompt
 from hybridkv.cache.stored import StoredPrefixCache
 from hybridkv.errors import HybridKVError
 from hybridkv.eval.decode import greedy_continue
@@ -133,6 +133,122 @@ def _cost_model(model: HybridModel) -> CostModel | None:
         return None
 
 
+@dataclass
+class _Hit:
+    """The cached prompt as captured, how long capturing took, and what the new prompt's lookup hit."""
+
+    cached: CachedPrompt
+    build_s: float
+    hit: CachedMatch
+
+
+def _cache_and_look_up(
+    model: HybridModel, work: PromptPair, config: ValidateConfig, stored: StoredPrefixCache | None
+) -> _Hit:
+    """Capture the cached prompt, add it to `stored` (a fresh in-memory cache without one) and look
+    the new prompt up there."""
+    started = time.perf_counter()
+    cached = capture_prompt(model, work.cached_prompt, config.checkpoint_interval)
+    build_s = time.perf_counter() - started
+    prefix_cache = stored if stored is not None else PrefixCache()
+    prefix_cache.add(cached)
+    hit = prefix_cache.lookup(work.prompt) or CachedMatch.miss()
+    if stored is None:
+        assert hit.length == work.prefix_length, "workload prompts must share exactly L tokens"
+    return _Hit(cached, build_s, hit)
+
+
+@dataclass
+class _Reference:
+    """Full prefill's suffix logits and greedy continuation, and the split noise beside them."""
+
+    logits: torch.Tensor
+    greedy: list[int]
+    split_noise: dict[str, float]
+
+
+def _reference(model: HybridModel, work: PromptPair, hit: CachedMatch, config: ValidateConfig) -> _Reference:
+    prompt, prefix_length, suffix = work.prompt, work.prefix_length, config.suffix_length
+    # Reference: one pass over the whole prompt from an empty cache.
+    reference = execute(model, prompt, hit, Full().recipe(hit, None), logits_to_keep=suffix)
+    reference_greedy = greedy_continue(
+        model, reference.cache, reference.logits[-1], prompt.numel(), config.greedy_tokens
+    )
+    # Split noise: prefix pass, then the suffix from that exactly kept cache.
+    split_cache = model.new_cache()
+    model.forward(prompt[:prefix_length], split_cache, start=0)
+    split_logits = model.forward(prompt[prefix_length:], split_cache, start=prefix_length, logits_to_keep=suffix)
+    split_noise = {
+        "split_noise_kl": kl_mean(reference.logits, split_logits),
+        "split_noise_top1": top1_agreement(reference.logits, split_logits),
+        "split_noise_max_logit_diff": float((reference.logits - split_logits).abs().max()),
+    }
+    return _Reference(reference.logits, reference_greedy, split_noise)
+
+
+def _fidelity_row(
+    model: HybridModel,
+    config: ValidateConfig,
+    work: PromptPair,
+    found: _Hit,
+    reference: _Reference,
+    method: RecoveryMethod,
+    budget: Budget | None,
+    costs: CostModel | None,
+) -> dict:
+    """One method's row against the reference, timing columns not yet filled."""
+    prompt, hit, suffix = work.prompt, found.hit, config.suffix_length
+    recipe = method.recipe(hit, budget)
+    outcome = execute(model, prompt, hit, recipe, logits_to_keep=suffix)
+    greedy = greedy_continue(model, outcome.cache, outcome.logits[-1], prompt.numel(), config.greedy_tokens)
+    return {
+        "method": method.name,
+        "budget": budget.label() if budget is not None else None,
+        "prefix_length": work.prefix_length,
+        "suffix_length": suffix,
+        "matched_length": hit.length,
+        "reused_tokens": outcome.reused_tokens,
+        "replayed_tokens": outcome.replayed_tokens,
+        "recomputed_tokens": outcome.recomputed_tokens,
+        # Tokens from the state position on go through the model (replay and suffix alike);
+        # the cost model turns that into the speedup over full prefill that FLOPs allow.
+        "state_position": recipe.state_position,
+        "bound": costs.speedup_bound(prompt.numel(), recipe.state_position) if costs else None,
+        # Share of the dropped linear states that can survive to the hit (decay summary).
+        "decay_bound": dropped_state_bound(hit, recipe),
+        "kl_mean": kl_mean(reference.logits, outcome.logits),
+        "top1_agreement": top1_agreement(reference.logits, outcome.logits),
+        "greedy_agreement": greedy_agreement(reference.greedy, greedy),
+        **reference.split_noise,
+        "state_bytes": found.cached.state_bytes() if method.uses_checkpoints else 0,
+        "kv_bytes": found.cached.kv_bytes() if method.reuses_kv else 0,
+        "cache_build_s": found.build_s,
+    }
+
+
+def _time_ttft(
+    model: HybridModel,
+    prompt: torch.Tensor,
+    hit: CachedMatch,
+    plan: list[tuple[RecoveryMethod, Budget | None]],
+    repeats: int,
+    tick: Callable[[str], None],
+) -> tuple[float, list[float]]:
+    """Median TTFT (cache in hand -> first-token logits) of full prefill and of each planned method.
+    Each repeat times full prefill and then every method back to back, so drift in machine load
+    hits all of them alike."""
+    full_recipe = Full().recipe(hit, None)
+    full_times: list[float] = []
+    method_times: list[list[float]] = [[] for _ in plan]
+    for _ in range(repeats):
+        full_times.append(_timed(lambda: execute(model, prompt, hit, full_recipe, logits_to_keep=1)))
+        for times, (method, budget) in zip(method_times, plan, strict=True):
+            recipe = method.recipe(hit, budget)
+            times.append(_timed(lambda recipe=recipe: execute(model, prompt, hit, recipe, logits_to_keep=1)))
+            tick(f"{method.name} timing")
+    return statistics.median(full_times), [statistics.median(times) for times in method_times]
+
+
 def validate_prefix(
     model: HybridModel,
     config: ValidateConfig,
@@ -152,81 +268,21 @@ def validate_prefix(
             progress.update()
 
     work = make_workload(model, prefix_length, config.suffix_length, config.seed)
-    prompt, suffix = work.prompt, config.suffix_length
-    started = time.perf_counter()
-    cached = capture_prompt(model, work.cached_prompt, config.checkpoint_interval)
-    build_s = time.perf_counter() - started
-    prefix_cache = stored if stored is not None else PrefixCache()
-    prefix_cache.add(cached)
-    hit = prefix_cache.lookup(prompt) or CachedMatch.miss()
-    if stored is None:
-        assert hit.length == prefix_length, "workload prompts must share exactly L tokens"
+    found = _cache_and_look_up(model, work, config, stored)
     tick("cache built")
-
-    # Reference: one pass over the whole prompt from an empty cache.
-    full_recipe = Full().recipe(hit, None)
-    reference = execute(model, prompt, hit, full_recipe, logits_to_keep=suffix)
-    reference_greedy = greedy_continue(
-        model, reference.cache, reference.logits[-1], prompt.numel(), config.greedy_tokens
-    )
-    # Split noise: prefix pass, then the suffix from that exactly kept cache.
-    split_cache = model.new_cache()
-    model.forward(prompt[:prefix_length], split_cache, start=0)
-    split_logits = model.forward(prompt[prefix_length:], split_cache, start=prefix_length, logits_to_keep=suffix)
-    split_noise = {
-        "split_noise_kl": kl_mean(reference.logits, split_logits),
-        "split_noise_top1": top1_agreement(reference.logits, split_logits),
-        "split_noise_max_logit_diff": float((reference.logits - split_logits).abs().max()),
-    }
+    reference = _reference(model, work, found.hit, config)
     tick("reference")
 
     plan = _plan(config)
     costs = _cost_model(model)
     rows = []
     for method, budget in plan:
-        recipe = method.recipe(hit, budget)
-        outcome = execute(model, prompt, hit, recipe, logits_to_keep=suffix)
-        greedy = greedy_continue(model, outcome.cache, outcome.logits[-1], prompt.numel(), config.greedy_tokens)
-        rows.append(
-            {
-                "method": method.name,
-                "budget": budget.label() if budget is not None else None,
-                "prefix_length": prefix_length,
-                "suffix_length": suffix,
-                "matched_length": hit.length,
-                "reused_tokens": outcome.reused_tokens,
-                "replayed_tokens": outcome.replayed_tokens,
-                "recomputed_tokens": outcome.recomputed_tokens,
-                # Tokens from the state position on go through the model (replay and suffix alike);
-                # the cost model turns that into the speedup over full prefill that FLOPs allow.
-                "state_position": recipe.state_position,
-                "bound": costs.speedup_bound(prompt.numel(), recipe.state_position) if costs else None,
-                # Share of the dropped linear states that can survive to the hit (decay summary).
-                "decay_bound": dropped_state_bound(hit, recipe),
-                "kl_mean": kl_mean(reference.logits, outcome.logits),
-                "top1_agreement": top1_agreement(reference.logits, outcome.logits),
-                "greedy_agreement": greedy_agreement(reference_greedy, greedy),
-                **split_noise,
-                "state_bytes": cached.state_bytes() if method.uses_checkpoints else 0,
-                "kv_bytes": cached.kv_bytes() if method.reuses_kv else 0,
-                "cache_build_s": build_s,
-            }
-        )
+        rows.append(_fidelity_row(model, config, work, found, reference, method, budget, costs))
         tick(f"{method.name} fidelity")
 
-    # TTFT: cache in hand -> first-token logits. Each repeat times full prefill and then every
-    # method back to back, so drift in machine load hits all of them alike.
-    full_times: list[float] = []
-    method_times: list[list[float]] = [[] for _ in plan]
-    for _ in range(config.repeats):
-        full_times.append(_timed(lambda: execute(model, prompt, hit, full_recipe, logits_to_keep=1)))
-        for times, (method, budget) in zip(method_times, plan, strict=True):
-            recipe = method.recipe(hit, budget)
-            times.append(_timed(lambda recipe=recipe: execute(model, prompt, hit, recipe, logits_to_keep=1)))
-            tick(f"{method.name} timing")
-    full_ttft = statistics.median(full_times)
-    for row, times in zip(rows, method_times, strict=True):
-        row["ttft_s"] = statistics.median(times)
+    full_ttft, method_ttfts = _time_ttft(model, work.prompt, found.hit, plan, config.repeats, tick)
+    for row, ttft in zip(rows, method_ttfts, strict=True):
+        row["ttft_s"] = ttft
         row["full_ttft_s"] = full_ttft
         row["speedup"] = full_ttft / row["ttft_s"]
     return rows

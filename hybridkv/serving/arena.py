@@ -59,6 +59,7 @@ from hybridkv.eval.arena import (
     row_key,
     scored_row,
 )
+from hybridkv.eval.workloads.base import Sample
 from hybridkv.methods import Budget, RecoveryMethod, recovery_methods
 from hybridkv.serving.server import Server, ServerSpec, settle_shadow_checks
 
@@ -183,6 +184,104 @@ def _model_facts(model: str) -> tuple[int, list[int]]:
     return config.num_hidden_layers, [eos] if isinstance(eos, int) else list(eos or [])
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """One sample's requests, tokenized: the context, the question, and the answer's token budget."""
+
+    sample: Sample
+    context: list[int]
+    question: list[int]
+    new_tokens: int
+
+
+@dataclass
+class _Session:
+    """What answering and recording any request of the run needs, whichever server answers it."""
+
+    plan: ArenaPlan
+    tokenizer: object
+    score: Callable
+    layers: int
+    eos_ids: list[int]
+    context_ids: dict[tuple[int, ...], int]  # each distinct context's index: its namespace's
+    client: object  # an httpx.Client
+    sink: object  # results.jsonl, open to append
+    progress: tqdm
+
+
+def _kept_rows(out_dir: Path) -> tuple[Path, set]:
+    """results.jsonl rewritten with the rows it holds that read back whole, and their keys: a
+    resumed run does not ask them again."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    existing = read_rows(results)
+    results.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in existing))
+    return results, {row_key(row["id"], row["method"], row["budget"]) for row in existing}
+
+
+def _prompts(samples: list[Sample], tokenizer, default_new_tokens: int, max_new_tokens: int | None) -> list[_Prompt]:
+    prompts = []
+    for sample in samples:
+        context = [t for segment in sample.segments() for t in tokenizer.encode(segment)]
+        question = tokenizer.encode(sample.question)
+        prompts.append(_Prompt(sample, context, question, answer_budget(sample, default_new_tokens, max_new_tokens)))
+    return prompts
+
+
+def _server_spec(
+    model: str, served: Served, max_model_len: int, store: Path, run_id: str, shadow_rate: float, out_dir: Path
+) -> ServerSpec:
+    """The server `served` runs on: a scratch file store, namespaced by this run, its shadow checks
+    (if any) logged beside the results."""
+    return ServerSpec(
+        model, served.config, max_model_len, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
+        save_states=served.save_states, shadow_rate=shadow_rate,
+        connector_settings={"shadow_log": str((out_dir / SHADOW_CHECKS).resolve())} if shadow_rate else {},
+    )  # fmt: skip
+
+
+def _ask(
+    session: _Session, server: Server, prompt: _Prompt, name: str, budget: Budget | None, served_contexts: set[str]
+) -> Generation:
+    """One sample's answer under (method, budget); a resuming method's server is sent the context
+    first, once per namespace (`served_contexts`: those this server has been sent)."""
+    # Each context in a namespace of its own: samples that share only a prefix (RULER's
+    # haystacks) never resume from each other; those sharing the context share it.
+    salt = f"{name}-{budget}-{session.context_ids[tuple(prompt.context)]}"  # vLLM takes no "@" in a cache_salt
+    params = request_params(name, budget)
+    if name == "no-context":
+        tokens = prompt.question
+    else:
+        tokens = prompt.context + prompt.question
+        if name != "full" and salt not in served_contexts:  # the context first, once
+            generate(session.client, server, prompt.context, 1, session.eos_ids, salt, params)
+            served_contexts.add(salt)
+    return generate(session.client, server, tokens, prompt.new_tokens, session.eos_ids, salt, params)
+
+
+def _answer_all(session: _Session, server: Server, todo: list, checked: bool, shadow: dict, shadow_path: Path) -> None:
+    """Answer one server's (prompt, method, budget) list, a row each; with shadow checks on
+    (`checked`), each setting's figures go to `shadow` and out to `shadow_path`."""
+    setting, before = None, {}
+    served_contexts: set[str] = set()
+    for prompt, name, budget in todo:
+        if checked and (name, str(budget)) != setting:  # a new setting: count its checks alone
+            if setting is not None:
+                shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
+            setting, before = (name, str(budget)), settle_shadow_checks([server])
+        answer = _ask(session, server, prompt, name, budget, served_contexts)
+        if checked:  # every check made before the next request: none dropped, none beside it
+            settle_shadow_checks([server])
+        row = _row(session.plan, prompt.sample, name, budget, answer, prompt.context, prompt.question,
+                   session.layers, session.tokenizer, session.score)  # fmt: skip
+        session.sink.write(json.dumps(row, sort_keys=True) + "\n")
+        session.sink.flush()
+        session.progress.update()
+    if checked and setting is not None:
+        shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
+        shadow_path.write_text(json.dumps(shadow, indent=2) + "\n")
+
+
 def run_served_arena(
     model: str,
     tokenizer,
@@ -208,27 +307,18 @@ def run_served_arena(
     before it to finish, so none is dropped and none runs beside a measured request."""
     import httpx
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
-    existing = read_rows(results)
-    results.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in existing))
-    done = {row_key(row["id"], row["method"], row["budget"]) for row in existing}
+    results, done = _kept_rows(out_dir)
     layers, eos_ids = _model_facts(model)
-    prompts = []
-    for sample in samples:
-        context = [t for segment in sample.segments() for t in tokenizer.encode(segment)]
-        question = tokenizer.encode(sample.question)
-        budget_tokens = answer_budget(sample, default_new_tokens, max_new_tokens)
-        prompts.append((sample, context, question, budget_tokens))
-    longest = max(len(c) + len(q) + n for _, c, q, n in prompts)
+    prompts = _prompts(samples, tokenizer, default_new_tokens, max_new_tokens)
+    longest = max(len(p.context) + len(p.question) + p.new_tokens for p in prompts)
     context_ids: dict[tuple[int, ...], int] = {}
-    for _, context, _, _ in prompts:
-        context_ids.setdefault(tuple(context), len(context_ids))
+    for p in prompts:
+        context_ids.setdefault(tuple(p.context), len(context_ids))
     grid = served_grid(plan, horizon)
     todo = {
         id(served): [
             (p, name, budget) for name, budget in served.settings for p in prompts
-            if row_key(p[0].id, name, budget.label() if budget else None) not in done
+            if row_key(p.sample.id, name, budget.label() if budget else None) not in done
         ]
         for served in grid
     }  # fmt: skip
@@ -240,48 +330,18 @@ def run_served_arena(
         tqdm(total=sum(map(len, todo.values())), desc="arena (vllm)", disable=not show_progress) as progress,
         httpx.Client(timeout=httpx.Timeout(600.0)) as client,
     ):
+        session = _Session(plan, tokenizer, score, layers, eos_ids, context_ids, client, sink, progress)
         for served in grid:
             if not todo[id(served)]:
                 continue
             store = out_dir / "store"
             shutil.rmtree(store, ignore_errors=True)
             checked = shadow_rate if served.config == "hybridkv" else 0.0
-            spec = ServerSpec(
-                model, served.config, longest + 16, f"file://{store.resolve()}", namespace=f"arena:{run_id}",
-                save_states=served.save_states, shadow_rate=checked,
-                connector_settings={"shadow_log": str((out_dir / SHADOW_CHECKS).resolve())} if checked else {},
-            )  # fmt: skip
+            spec = _server_spec(model, served, longest + 16, store, run_id, checked, out_dir)
             progress.set_postfix_str(f"{served.label}: starting vllm serve")
             with Server(spec, out_dir / "logs" / f"{served.label}.log") as server:
                 progress.set_postfix_str(served.label)
-                setting, before = None, {}
-                served_contexts: set[str] = set()  # the namespaces whose context this server has been sent
-                for (sample, context, question, new_tokens), name, budget in todo[id(served)]:
-                    if checked and (name, str(budget)) != setting:  # a new setting: count its checks alone
-                        if setting is not None:
-                            shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
-                        setting, before = (name, str(budget)), settle_shadow_checks([server])
-                    # Each context in a namespace of its own: samples that share only a prefix (RULER's
-                    # haystacks) never resume from each other; those sharing the context share it.
-                    salt = f"{name}-{budget}-{context_ids[tuple(context)]}"  # vLLM takes no "@" in a cache_salt
-                    params = request_params(name, budget)
-                    if name == "no-context":
-                        prompt = question
-                    else:
-                        prompt = context + question
-                        if name != "full" and salt not in served_contexts:  # the context first, once
-                            generate(client, server, context, 1, eos_ids, salt, params)
-                            served_contexts.add(salt)
-                    answer = generate(client, server, prompt, new_tokens, eos_ids, salt, params)
-                    if checked:  # every check made before the next request: none dropped, none beside it
-                        settle_shadow_checks([server])
-                    row = _row(plan, sample, name, budget, answer, context, question, layers, tokenizer, score)
-                    sink.write(json.dumps(row, sort_keys=True) + "\n")
-                    sink.flush()
-                    progress.update()
-                if checked and setting is not None:
-                    shadow[f"{setting[0]}@{setting[1]}"] = _shadow(server, before)
-                    shadow_path.write_text(json.dumps(shadow, indent=2) + "\n")
+                _answer_all(session, server, todo[id(served)], bool(checked), shadow, shadow_path)
             shutil.rmtree(store, ignore_errors=True)  # scratch: every namespace was this run's own
     return results
 

@@ -373,6 +373,94 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+@dataclass(frozen=True)
+class _Cell:
+    """One workload at one client count, as every configuration's row there is measured against:
+    the reference's (`no-cache`) replies, the split noise at that client count, and the cold requests."""
+
+    workload: str
+    clients: int
+    reference: list[tuple[int, int, Reply]]
+    noise: float | None
+    cold: set[int]
+
+
+def _summary_row(
+    plan: BenchPlan,
+    cell: _Cell,
+    config: str,
+    budget: str | None,
+    run: dict,
+    flat: list[tuple[int, int, Reply]],
+    fidelity: list[RequestFidelity],
+) -> dict:
+    """One configuration's row at `cell`: its TTFT, throughput, reuse, first-token fidelity and costs."""
+    _, wall, spent = run["results"][(cell.workload, cell.clients)]
+    ttfts = [r.ttft_s for _, _, r in flat]
+    clear, clear_requests = top1_clear(fidelity, cell.noise)
+    cold = cell.cold
+    return {
+        "workload": cell.workload,
+        "config": config,
+        "clients": cell.clients,
+        "engines": plan.engines,
+        "budget": budget,
+        "block_size": run["block_size"],
+        "requests": len(flat),
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "throughput_rps": len(flat) / wall,
+        "reused_tokens_per_request": statistics.mean(r.reused_tokens for _, _, r in flat),
+        "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for _, _, r in flat),
+        "top1_agreement": statistics.mean(float(f.agree) for f in fidelity),
+        "kl_mean": statistics.mean(f.kl for f in fidelity),
+        "top1_clear": clear,
+        "clear_requests": clear_requests,
+        # requests no cached configuration reused a token on (a prefix's first sight):
+        # every configuration pays their whole prefill, so they bound what a cache can save
+        "cold_requests": len(cold),
+        "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
+        "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
+        # prompt tokens computed (not reused), and, for hybridkv, those no stored prefix
+        # matched: every configuration computes them, whatever its budget
+        "computed_tokens_per_request": statistics.mean(r.prompt_tokens - r.reused_tokens for _, _, r in flat),
+        "unmatched_tokens_per_request": statistics.mean(r.prompt_tokens - r.hybridkv["matched"] for _, _, r in flat)
+        if config == "hybridkv"
+        else None,
+        # hybridkv only: the connector's milliseconds per request (hooks and lookup
+        # waits on the engine loop, page copies, lookups and writes on their threads)
+        **dict.fromkeys(CONNECTOR_FIELDS),
+        **dict.fromkeys(SHADOW_FIELDS),
+        **(spent or {}),
+    }
+
+
+def _disagreements(
+    cell: _Cell, config: str, budget: str | None, flat: list[tuple[int, int, Reply]], fidelity: list[RequestFidelity]
+) -> list[dict]:
+    """Every request of one configuration at `cell` whose first token differs from the reference's."""
+    return [
+        {
+            "workload": cell.workload,
+            "config": config,
+            "clients": cell.clients,
+            "budget": budget,
+            "session": session,
+            "turn": turn,
+            "lead": f.lead,
+            "gap": f.gap,
+            "kl": f.kl,
+            "clear": cell.noise is not None and f.clear(cell.noise),
+            "reused": got.reused_tokens,
+            "replayed": got.replayed_tokens,
+            "exact_state": got.hybridkv.get("exact_state") if got.hybridkv else None,
+        }
+        for f, (session, turn, got) in zip(fidelity, flat, strict=True)
+        if not f.agree
+    ]
+
+
 def summarise(plan: BenchPlan, measured: dict) -> dict:
     """One row per workload, client count and configuration; `split_noise` per client count; and
     every request whose first token differs from the reference's, with what tells a near-tie
@@ -383,77 +471,15 @@ def summarise(plan: BenchPlan, measured: dict) -> dict:
     for name in plan.workloads:
         for clients in plan.clients:
             reference = _flat(measured[("no-cache", None)]["results"][(name, clients)][0])
-            at = noise[str(clients)]
-            cold = _cold_requests(measured, name, clients)
+            cell = _Cell(name, clients, reference, noise[str(clients)], _cold_requests(measured, name, clients))
             for (config, budget), run in measured.items():
-                replies, wall, spent = run["results"][(name, clients)]
-                flat = _flat(replies)
-                ttfts = [r.ttft_s for _, _, r in flat]
+                flat = _flat(run["results"][(name, clients)][0])
                 fidelity = [
                     RequestFidelity.of(ref.logprobs, got.logprobs)
                     for (_, _, ref), (_, _, got) in zip(reference, flat, strict=True)
                 ]
-                clear, clear_requests = top1_clear(fidelity, at)
-                rows.append(
-                    {
-                        "workload": name,
-                        "config": config,
-                        "clients": clients,
-                        "engines": plan.engines,
-                        "budget": budget,
-                        "block_size": run["block_size"],
-                        "requests": len(flat),
-                        "ttft_mean_s": statistics.mean(ttfts),
-                        "ttft_p50_s": _percentile(ttfts, 50),
-                        "ttft_p99_s": _percentile(ttfts, 99),
-                        "throughput_rps": len(flat) / wall,
-                        "reused_tokens_per_request": statistics.mean(r.reused_tokens for _, _, r in flat),
-                        "replayed_tokens_per_request": statistics.mean(r.replayed_tokens for _, _, r in flat),
-                        "top1_agreement": statistics.mean(float(f.agree) for f in fidelity),
-                        "kl_mean": statistics.mean(f.kl for f in fidelity),
-                        "top1_clear": clear,
-                        "clear_requests": clear_requests,
-                        # requests no cached configuration reused a token on (a prefix's first sight):
-                        # every configuration pays their whole prefill, so they bound what a cache can save
-                        "cold_requests": len(cold),
-                        "ttft_cold_sum_s": sum(ttfts[i] for i in cold),
-                        "ttft_rest_mean_s": _mean_or_none([t for i, t in enumerate(ttfts) if i not in cold]),
-                        # prompt tokens computed (not reused), and, for hybridkv, those no stored prefix
-                        # matched: every configuration computes them, whatever its budget
-                        "computed_tokens_per_request": statistics.mean(
-                            r.prompt_tokens - r.reused_tokens for _, _, r in flat
-                        ),
-                        "unmatched_tokens_per_request": statistics.mean(
-                            r.prompt_tokens - r.hybridkv["matched"] for _, _, r in flat
-                        )
-                        if config == "hybridkv"
-                        else None,
-                        # hybridkv only: the connector's milliseconds per request (hooks and lookup
-                        # waits on the engine loop, page copies, lookups and writes on their threads)
-                        **dict.fromkeys(CONNECTOR_FIELDS),
-                        **dict.fromkeys(SHADOW_FIELDS),
-                        **(spent or {}),
-                    }
-                )
-                disagreements += [
-                    {
-                        "workload": name,
-                        "config": config,
-                        "clients": clients,
-                        "budget": budget,
-                        "session": session,
-                        "turn": turn,
-                        "lead": f.lead,
-                        "gap": f.gap,
-                        "kl": f.kl,
-                        "clear": at is not None and f.clear(at),
-                        "reused": got.reused_tokens,
-                        "replayed": got.replayed_tokens,
-                        "exact_state": got.hybridkv.get("exact_state") if got.hybridkv else None,
-                    }
-                    for f, (session, turn, got) in zip(fidelity, flat, strict=True)
-                    if not f.agree
-                ]
+                rows.append(_summary_row(plan, cell, config, budget, run, flat, fidelity))
+                disagreements += _disagreements(cell, config, budget, flat, fidelity)
     return {
         "model": plan.model,
         "seed": plan.seed,
@@ -585,10 +611,11 @@ _PROMPTS = {
 }
 
 
-def report(summary: dict) -> str:
+def _report_head(summary: dict) -> list[str]:
+    """The title, what was measured and how, and what the prompts were."""
     shape = summary["shape"]
     blocks = sorted({r["block_size"] for r in summary["rows"]})
-    lines = [
+    return [
         "# vllm-bench",
         "",
         f"Model `{summary['model']}` through `vllm serve`; vLLM's attention block: {', '.join(map(str, blocks))} "
@@ -603,24 +630,38 @@ def report(summary: dict) -> str:
         _PROMPTS.get(summary.get("prompts"), ""),
         "",
     ]
-    if calibration := summary.get("calibration"):
-        lines += [
-            f"`hybridkv@adaptive` replays the model's calibrated forgetting horizon, {calibration['horizon']} tokens "
-            f"(`hybridkv calibrate`: tolerance {calibration['tolerance']}, quantile {calibration['quantile']}, "
-            f"{calibration['samples']} prompts of {calibration['tokens']} {calibration['text']}).",
-            "",
-        ]
-    noise = summary.get("split_noise") or {}
-    if any(v is not None for v in noise.values()):
-        lines += [
-            "Split noise (the largest first-token logprob difference between `vllm-prefix-cache` and `no-cache` "
-            "over every workload's requests, by client count): "
-            + ", ".join(f"{c} clients {v:.4f}" for c, v in noise.items() if v is not None)
-            + ". `clear top-1` is top-1 agreement over the requests (n) whose reference top-1 lead exceeds twice "
-            "the noise. The noise is a floor: vLLM's cache splits a prefill only on its block grid; a split off the "
-            "grid, as every hybridkv resume is, can move a logprob much more, in vLLM alone too (`split_noise`).",
-            "",
-        ]
+
+
+def _calibration_lines(summary: dict) -> list[str]:
+    """The calibrated horizon `hybridkv@adaptive` replays, when the run had one."""
+    if not (calibration := summary.get("calibration")):
+        return []
+    return [
+        f"`hybridkv@adaptive` replays the model's calibrated forgetting horizon, {calibration['horizon']} tokens "
+        f"(`hybridkv calibrate`: tolerance {calibration['tolerance']}, quantile {calibration['quantile']}, "
+        f"{calibration['samples']} prompts of {calibration['tokens']} {calibration['text']}).",
+        "",
+    ]
+
+
+def _noise_lines(noise: dict) -> list[str]:
+    """The split noise by client count, and what `clear top-1` reads it for."""
+    if not any(v is not None for v in noise.values()):
+        return []
+    return [
+        "Split noise (the largest first-token logprob difference between `vllm-prefix-cache` and `no-cache` "
+        "over every workload's requests, by client count): "
+        + ", ".join(f"{c} clients {v:.4f}" for c, v in noise.items() if v is not None)
+        + ". `clear top-1` is top-1 agreement over the requests (n) whose reference top-1 lead exceeds twice "
+        "the noise. The noise is a floor: vLLM's cache splits a prefill only on its block grid; a split off the "
+        "grid, as every hybridkv resume is, can move a logprob much more, in vLLM alone too (`split_noise`).",
+        "",
+    ]
+
+
+def _workload_tables(summary: dict) -> list[str]:
+    """Per workload: its plot and a row per client count and configuration."""
+    lines: list[str] = []
     for workload in dict.fromkeys(r["workload"] for r in summary["rows"]):
         lines += [
             f"## {workload}",
@@ -644,63 +685,80 @@ def report(summary: dict) -> str:
                 )
             )
         lines.append("")
-    if disagreements := summary.get("disagreements"):
-        lines += [
-            "## Top-1 disagreements",
-            "",
-            "Every request whose first token differs from `no-cache`'s: the reference's top-1 lead, the largest "
-            "logprob difference from it over the tokens both top-k lists hold (the gap, also in units of the split "
-            "noise), and what the request reused, replayed and resumed from (exact: a stored linear state computed "
-            "from the prompt's start; inexact: zeroed states, or a stored state computed after a replay from "
-            "zeroed states). A near-tie has a lead within twice the noise.",
-            "",
-            "| workload | clients | config | session / turn | lead | gap | gap / noise | KL | reused | replayed "
-            "| state | flip |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for d in disagreements:
-            at = noise.get(str(d["clients"]))
-            state = "exact" if d["exact_state"] else "inexact" if d["exact_state"] is False and d["reused"] else "—"
-            lines.append(
-                f"| {d['workload']} | {d['clients']} | {_label(d)} | {d['session']} / {d['turn']} | {d['lead']:.4f} | "
-                f"{d['gap']:.4f} | {d['gap'] / at if at else math.inf:.1f} | {d['kl']:.2e} | {d['reused']} | "
-                f"{d['replayed']} | {state} | {'clear lead' if d['clear'] else 'near-tie'} |"
-            )
-        lines.append("")
-    if shadowed := [r for r in summary["rows"] if r.get("shadow_checks") is not None]:
-        lines += [
-            "## Shadow checks",
-            "",
-            f"The connector checked a share {summary.get('shadow_rate')} of its requests in a shadow process "
-            "(`shadow_rate`), after each was answered. Served answers: teacher-forced through exact full prefill "
-            "in transformers, per kind of request (`full`: nothing loaded, the control group; `exact`: an exact "
-            "stored state; `zero@budget`: a zero-state tail), the share whose served tokens left exact greedy "
-            "before the answer's end, and its excess over the full prefills' (the engine's own noise) with a 95% "
-            "interval. First token: a zero-state resume's served recipe (the KV before the resume point, zeroed "
-            "states there) against the exact one on one code path; flips: top-1 differs; KL(exact || served recipe) "
-            "in nats; reproduced: the share whose served recipe's top-1 is the token vLLM served.",
-            "",
-            "| workload | clients | budget | answers diverged (kind) | excess over full [95% CI] | "
-            "first-token checks | flips | flip rate | KL mean | reproduced | dropped | failed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in shadowed:
-            rate, kl, same = row["shadow_disagreement_rate"], row["shadow_kl_mean"], row["shadow_reproduced_rate"]
-            answers = row.get("shadow_answers") or {}
-            diverged = "; ".join(f"{f['divergences']}/{f['answers']} ({kind})" for kind, f in answers.items())
-            excess = "; ".join(
-                f"{f['excess']:+.3f} [{f['excess_ci95'][0]:+.3f}, {f['excess_ci95'][1]:+.3f}] ({kind})"
-                for kind, f in answers.items() if f.get("excess") is not None
-            )  # fmt: skip
-            lines.append(
-                f"| {row['workload']} | {row['clients']} | {row['budget']} | {diverged or '—'} | {excess or '—'} | "
-                f"{row.get('shadow_first_token_checks', row['shadow_checks'])} | "
-                f"{row['shadow_top1_disagreements']} | {'—' if rate is None else f'{rate:.3f}'} | "
-                f"{'—' if kl is None else f'{kl:.2e}'} | {'—' if same is None else f'{same:.3f}'} | "
-                f"{row['shadow_dropped']} | {row['shadow_failed']} |"
-            )
-        lines.append("")
-    lines += [
+    return lines
+
+
+def _disagreement_lines(disagreements: list[dict] | None, noise: dict) -> list[str]:
+    """Every request whose first token differs from `no-cache`'s, with its lead and gap."""
+    if not disagreements:
+        return []
+    lines = [
+        "## Top-1 disagreements",
+        "",
+        "Every request whose first token differs from `no-cache`'s: the reference's top-1 lead, the largest "
+        "logprob difference from it over the tokens both top-k lists hold (the gap, also in units of the split "
+        "noise), and what the request reused, replayed and resumed from (exact: a stored linear state computed "
+        "from the prompt's start; inexact: zeroed states, or a stored state computed after a replay from "
+        "zeroed states). A near-tie has a lead within twice the noise.",
+        "",
+        "| workload | clients | config | session / turn | lead | gap | gap / noise | KL | reused | replayed "
+        "| state | flip |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in disagreements:
+        at = noise.get(str(d["clients"]))
+        state = "exact" if d["exact_state"] else "inexact" if d["exact_state"] is False and d["reused"] else "—"
+        lines.append(
+            f"| {d['workload']} | {d['clients']} | {_label(d)} | {d['session']} / {d['turn']} | {d['lead']:.4f} | "
+            f"{d['gap']:.4f} | {d['gap'] / at if at else math.inf:.1f} | {d['kl']:.2e} | {d['reused']} | "
+            f"{d['replayed']} | {state} | {'clear lead' if d['clear'] else 'near-tie'} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _shadow_lines(summary: dict) -> list[str]:
+    """The shadow checks' figures, per row that ran them."""
+    if not (shadowed := [r for r in summary["rows"] if r.get("shadow_checks") is not None]):
+        return []
+    lines = [
+        "## Shadow checks",
+        "",
+        f"The connector checked a share {summary.get('shadow_rate')} of its requests in a shadow process "
+        "(`shadow_rate`), after each was answered. Served answers: teacher-forced through exact full prefill "
+        "in transformers, per kind of request (`full`: nothing loaded, the control group; `exact`: an exact "
+        "stored state; `zero@budget`: a zero-state tail), the share whose served tokens left exact greedy "
+        "before the answer's end, and its excess over the full prefills' (the engine's own noise) with a 95% "
+        "interval. First token: a zero-state resume's served recipe (the KV before the resume point, zeroed "
+        "states there) against the exact one on one code path; flips: top-1 differs; KL(exact || served recipe) "
+        "in nats; reproduced: the share whose served recipe's top-1 is the token vLLM served.",
+        "",
+        "| workload | clients | budget | answers diverged (kind) | excess over full [95% CI] | "
+        "first-token checks | flips | flip rate | KL mean | reproduced | dropped | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in shadowed:
+        rate, kl, same = row["shadow_disagreement_rate"], row["shadow_kl_mean"], row["shadow_reproduced_rate"]
+        answers = row.get("shadow_answers") or {}
+        diverged = "; ".join(f"{f['divergences']}/{f['answers']} ({kind})" for kind, f in answers.items())
+        excess = "; ".join(
+            f"{f['excess']:+.3f} [{f['excess_ci95'][0]:+.3f}, {f['excess_ci95'][1]:+.3f}] ({kind})"
+            for kind, f in answers.items() if f.get("excess") is not None
+        )  # fmt: skip
+        lines.append(
+            f"| {row['workload']} | {row['clients']} | {row['budget']} | {diverged or '—'} | {excess or '—'} | "
+            f"{row.get('shadow_first_token_checks', row['shadow_checks'])} | "
+            f"{row['shadow_top1_disagreements']} | {'—' if rate is None else f'{rate:.3f}'} | "
+            f"{'—' if kl is None else f'{kl:.2e}'} | {'—' if same is None else f'{same:.3f}'} | "
+            f"{row['shadow_dropped']} | {row['shadow_failed']} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _align_lines(summary: dict) -> list[str]:
+    """Each hybridkv budget against `vllm-prefix-cache` at the same workload and client count."""
+    lines = [
         "## hybridkv against vLLM's align mode",
         "",
         "Mean TTFT and throughput of each hybridkv budget divided by `vllm-prefix-cache`'s, same workload and "
@@ -731,4 +789,19 @@ def report(summary: dict) -> str:
                 + " |"
             )
     lines.append("")
+    return lines
+
+
+def report(summary: dict) -> str:
+    """The summary as report.md: a section each, in this order."""
+    noise = summary.get("split_noise") or {}
+    lines = [
+        *_report_head(summary),
+        *_calibration_lines(summary),
+        *_noise_lines(noise),
+        *_workload_tables(summary),
+        *_disagreement_lines(summary.get("disagreements"), noise),
+        *_shadow_lines(summary),
+        *_align_lines(summary),
+    ]
     return "\n".join(lines)

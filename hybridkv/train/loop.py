@@ -330,7 +330,9 @@ def _check_resume_shape(config: TrainConfig) -> None:
         )
 
 
-def train(config: TrainConfig) -> Path:
+def _start_run_dir(config: TrainConfig) -> dict[str, tuple[float, data.Generator]] | None:
+    """Refuse a bad run before its directory is touched, then record its config there; the task
+    table it draws from."""
     if config.model not in TRAINABLE:
         raise HybridKVError(f"cannot train {config.model!r}: trainable models are {', '.join(TRAINABLE)}")
     # A bad --tasks or --shape is refused before the run directory is touched.
@@ -338,80 +340,126 @@ def train(config: TrainConfig) -> Path:
     shape_config(config.model, config.shape)
     if config.threads:
         torch.set_num_threads(config.threads)
-    run_dir = config.run_dir
     _check_resume_shape(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "train_config.json").write_text(json.dumps(asdict(config), default=str, indent=1))
-    torch.manual_seed(config.seed)
-    model_config, backbone, lm_head = build(config.model, config.shape)
-    model = Model(backbone, lm_head)
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    (config.run_dir / "train_config.json").write_text(json.dumps(asdict(config), default=str, indent=1))
+    return task_table
+
+
+def _optimizer(model: Model, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, with no weight decay on embeddings, norms and biases."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.lr,
         betas=(0.9, 0.95),
     )
-    generator = torch.Generator().manual_seed(config.seed)
-    start = 0
-    checkpoint = _checkpoint_dir(run_dir)
+
+
+@dataclass
+class _Run:
+    """What every step of a training stretch works on."""
+
+    config: TrainConfig
+    task_table: dict[str, tuple[float, data.Generator]] | None  # None: the default mix
+    model: Model
+    model_config: object  # the transformers config the checkpoints are written with
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator  # the indexer loss's query sampling
+    recorder: IndexerRecorder
+
+
+def _resume_or_init(run: _Run) -> int:
+    """The step this stretch starts at: the checkpoint's, restoring its weights, optimiser and RNG
+    states; else 0, from --init's weights when given (the library's initialisation otherwise)."""
+    config, checkpoint = run.config, _checkpoint_dir(run.config.run_dir)
     if not checkpoint.exists() and config.init is not None:
-        load_weights(model, Path(config.init))
+        load_weights(run.model, Path(config.init))
         # The init's own record travels with the run: its directory may be the very one this run's
         # export overwrites, and the card must still say how the weights were made before this run.
         if (Path(config.init) / "training.json").is_file():
-            shutil.copyfile(Path(config.init) / "training.json", run_dir / "init_training.json")
+            shutil.copyfile(Path(config.init) / "training.json", config.run_dir / "init_training.json")
     elif checkpoint.exists():
-        load_weights(model, checkpoint)
-        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
+        load_weights(run.model, checkpoint)
+        run.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
         rng = torch.load(checkpoint / "rng.pt")
         torch.set_rng_state(rng["torch"])
-        generator.set_state(rng["indexer"])
-        start = json.loads((checkpoint / "state.json").read_text())["step"]
+        run.generator.set_state(rng["indexer"])
+        return json.loads((checkpoint / "state.json").read_text())["step"]
+    return 0
+
+
+def _train_step(run: _Run, step: int) -> dict:
+    """One optimiser step on step `step`'s batch; its log row."""
+    config, recorder = run.config, run.recorder
+    length = config.length_at(step)
+    count = max(1, config.tokens_per_step // length)
+    examples = [data.example(config.seed, "train", step, i, length, run.task_table) for i in range(count)]
+    tokens, answer = _batch(examples)
+    for group in run.optimizer.param_groups:
+        group["lr"] = config.lr_at(step)
+    began = time.perf_counter()
+    lm, answer_loss, right, per_row = losses(run.model, tokens, answer)
+    aux = indexer_loss(recorder, config.indexer_queries, run.generator) if recorder.handles else torch.zeros(())
+    loss = lm + config.answer_weight * answer_loss + config.indexer_weight * aux
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+    run.optimizer.step()
+    seconds = time.perf_counter() - began
+    return {
+        "step": step,
+        "length": length,
+        "lm": round(lm.item(), 5),
+        "answer": round(answer_loss.item(), 5),
+        "indexer": round(aux.item(), 5),
+        "answer_acc": round(right.float().mean().item(), 4) if right.numel() else None,
+        "answer_by_task": answer_loss_by_task(per_row, examples),
+        "grad_norm": round(norm.item(), 4),
+        "lr": config.lr_at(step),
+        "tokens": tokens.numel(),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens.numel() / seconds, 1),
+        "time": time.time(),
+    }
+
+
+def _evaluate_and_log(run: _Run, done: int, log) -> None:
+    """The held-out evaluation after `done` steps, to the log and the terminal."""
+    with torch.no_grad():
+        results = evaluate(run.model, run.config, done)
+    run.recorder.inputs.clear()
+    log.write(json.dumps({"step": done, "eval": results}) + "\n")
+    log.flush()
+    tqdm.write(f"step {done}: held-out " + ", ".join(f"{k} {v:.2f}" for k, v in results.items()))
+
+
+def train(config: TrainConfig) -> Path:
+    task_table = _start_run_dir(config)
+    run_dir = config.run_dir
+    torch.manual_seed(config.seed)
+    model_config, backbone, lm_head = build(config.model, config.shape)
+    model = Model(backbone, lm_head)
+    optimizer = _optimizer(model, config)
+    generator = torch.Generator().manual_seed(config.seed)
+    recorder = IndexerRecorder(backbone)  # hooks that only record: loading weights below runs no forward
+    run = _Run(config, task_table, model, model_config, optimizer, generator, recorder)
+    start = _resume_or_init(run)
     with (run_dir / "stretches.jsonl").open("a") as stretches:
         record = {"from_step": start, "commit": _git_commit(), "config": asdict(config)}
         stretches.write(json.dumps(record, default=str) + "\n")
-    recorder = IndexerRecorder(backbone)
     model.train()
     log = (run_dir / "log.jsonl").open("a")
     end = min(config.total_steps, config.stop_at or config.total_steps)
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc=config.model)
     with fast_linear_kernels():
         for step in bar:
-            length = config.length_at(step)
-            count = max(1, config.tokens_per_step // length)
-            examples = [data.example(config.seed, "train", step, i, length, task_table) for i in range(count)]
-            tokens, answer = _batch(examples)
-            for group in optimizer.param_groups:
-                group["lr"] = config.lr_at(step)
-            began = time.perf_counter()
-            lm, answer_loss, right, per_row = losses(model, tokens, answer)
-            aux = indexer_loss(recorder, config.indexer_queries, generator) if recorder.handles else torch.zeros(())
-            loss = lm + config.answer_weight * answer_loss + config.indexer_weight * aux
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            seconds = time.perf_counter() - began
-            row = {
-                "step": step,
-                "length": length,
-                "lm": round(lm.item(), 5),
-                "answer": round(answer_loss.item(), 5),
-                "indexer": round(aux.item(), 5),
-                "answer_acc": round(right.float().mean().item(), 4) if right.numel() else None,
-                "answer_by_task": answer_loss_by_task(per_row, examples),
-                "grad_norm": round(norm.item(), 4),
-                "lr": config.lr_at(step),
-                "tokens": tokens.numel(),
-                "seconds": round(seconds, 3),
-                "tokens_per_s": round(tokens.numel() / seconds, 1),
-                "time": time.time(),
-            }
+            row = _train_step(run, step)
             log.write(json.dumps(row) + "\n")
             log.flush()
             bar.set_postfix(
-                len=length,
+                len=row["length"],
                 lm=f"{row['lm']:.3f}",
                 ans=f"{row['answer']:.3f}",
                 idx=f"{row['indexer']:.3f}",
@@ -419,15 +467,10 @@ def train(config: TrainConfig) -> Path:
             )
             done = step + 1
             if done % config.eval_every == 0 or done == config.total_steps:
-                with torch.no_grad():
-                    results = evaluate(model, config, done)
-                recorder.inputs.clear()
-                log.write(json.dumps({"step": done, "eval": results}) + "\n")
-                log.flush()
-                tqdm.write(f"step {done}: held-out " + ", ".join(f"{k} {v:.2f}" for k, v in results.items()))
+                _evaluate_and_log(run, done, log)
             if done % config.save_every == 0 or done == end:
                 _save(run_dir, model, model_config, optimizer, done, generator)
                 plot(run_dir)
     log.close()
     recorder.close()
-    return checkpoint
+    return _checkpoint_dir(run_dir)

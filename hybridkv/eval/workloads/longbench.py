@@ -459,6 +459,77 @@ def truncate(context: str, question: str, tokenizer, max_length: int) -> tuple[s
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_load_args(dataset: str, n: int | None, tokenizer, max_length: int | None) -> str:
+    """`dataset`'s base name, once the arguments `load` was given are known to be usable."""
+    base = _check_dataset(dataset)
+    if n is not None and n < 0:
+        raise HybridKVError(f"longbench {dataset}: the number of samples must be >= 0, not {n}")
+    if max_length is not None:
+        if tokenizer is None:
+            raise HybridKVError(f"longbench {dataset}: max_length needs a tokenizer")
+        if max_length < 1:
+            raise HybridKVError(f"longbench {dataset}: max_length must be >= 1, not {max_length}")
+    return base
+
+
+def _tokenized(
+    context: str, question: str, tokenizer, max_length: int | None, where: str
+) -> tuple[str, str, dict, int]:
+    """The prompt middle-truncated to `max_length` (when given), its token counts for the meta, and
+    the sample's length: the prompt's tokens, or `max_length` when the prompt was capped."""
+    truncation = None
+    full_tokens = len(tokenizer.encode(context + question))
+    if max_length is not None:
+        try:
+            context, question, truncation = truncate(context, question, tokenizer, max_length)
+        except HybridKVError as err:
+            raise HybridKVError(f"{where}: {err}") from err
+    prompt_tokens = len(tokenizer.encode(context + question)) if truncation else full_tokens
+    counts = {
+        "max_length": max_length,
+        "truncation": truncation,
+        "full_prompt_tokens": full_tokens,
+        "prompt_tokens": prompt_tokens,
+        "context_tokens": len(tokenizer.encode(context)),
+    }
+    return context, question, counts, prompt_tokens if max_length is None else max_length
+
+
+def _sample(dataset: str, base: str, index: int, record: dict, where: str, tokenizer, max_length: int | None) -> Sample:
+    """Record `index` of `dataset` as a Sample, refused with `where` when malformed."""
+    if not isinstance(record.get("context"), str):
+        raise HybridKVError(f"{where}: no string 'context'")
+    answers = record.get("answers")
+    if not isinstance(answers, list):
+        raise HybridKVError(f"{where}: 'answers' is not a list")
+    try:
+        context, question = split_prompt(dataset, record)
+    except HybridKVError as err:
+        raise HybridKVError(f"{where}: {err}") from err
+    meta = {
+        "index": index,
+        "_id": record.get("_id"),
+        "language": record.get("language"),
+        "length": record.get("length"),
+        "all_classes": record.get("all_classes"),
+        "tokens_to_generate": MAX_NEW_TOKENS[base],
+        "metric": METRICS[base],
+    }
+    length = record.get("length") if isinstance(record.get("length"), int) else 0
+    if tokenizer is not None:
+        context, question, counts, length = _tokenized(context, question, tokenizer, max_length, where)
+        meta.update(counts)
+    return Sample(
+        id=f"longbench-{dataset}-{index}",
+        task=dataset,
+        length=length,
+        context=context,
+        question=question,
+        golds=[str(a) for a in answers],
+        meta=meta,
+    )
+
+
 def load(
     dataset: str,
     data_path: str | Path | None,
@@ -474,69 +545,13 @@ def load(
     when the data is not there, HybridKVError for an unknown dataset, a bad argument or a
     malformed record.
     """
-    base = _check_dataset(dataset)
-    if n is not None and n < 0:
-        raise HybridKVError(f"longbench {dataset}: the number of samples must be >= 0, not {n}")
-    if max_length is not None:
-        if tokenizer is None:
-            raise HybridKVError(f"longbench {dataset}: max_length needs a tokenizer")
-        if max_length < 1:
-            raise HybridKVError(f"longbench {dataset}: max_length must be >= 1, not {max_length}")
+    base = _check_load_args(dataset, n, tokenizer, max_length)
     source = _source(dataset, data_path)
     samples: list[Sample] = []
     if n == 0:
         return samples
     for index, record in enumerate(source.rows()):
-        where = f"{source.where}: record {index}"
-        if not isinstance(record.get("context"), str):
-            raise HybridKVError(f"{where}: no string 'context'")
-        answers = record.get("answers")
-        if not isinstance(answers, list):
-            raise HybridKVError(f"{where}: 'answers' is not a list")
-        try:
-            context, question = split_prompt(dataset, record)
-        except HybridKVError as err:
-            raise HybridKVError(f"{where}: {err}") from err
-        meta = {
-            "index": index,
-            "_id": record.get("_id"),
-            "language": record.get("language"),
-            "length": record.get("length"),
-            "all_classes": record.get("all_classes"),
-            "tokens_to_generate": MAX_NEW_TOKENS[base],
-            "metric": METRICS[base],
-        }
-        length = record.get("length") if isinstance(record.get("length"), int) else 0
-        if tokenizer is not None:
-            truncation = None
-            full_tokens = len(tokenizer.encode(context + question))
-            if max_length is not None:
-                try:
-                    context, question, truncation = truncate(context, question, tokenizer, max_length)
-                except HybridKVError as err:
-                    raise HybridKVError(f"{where}: {err}") from err
-            prompt_tokens = len(tokenizer.encode(context + question)) if truncation else full_tokens
-            meta.update(
-                {
-                    "max_length": max_length,
-                    "truncation": truncation,
-                    "full_prompt_tokens": full_tokens,
-                    "prompt_tokens": prompt_tokens,
-                    "context_tokens": len(tokenizer.encode(context)),
-                }
-            )
-            length = prompt_tokens if max_length is None else max_length
-        samples.append(
-            Sample(
-                id=f"longbench-{dataset}-{index}",
-                task=dataset,
-                length=length,
-                context=context,
-                question=question,
-                golds=[str(a) for a in answers],
-                meta=meta,
-            )
-        )
+        samples.append(_sample(dataset, base, index, record, f"{source.where}: record {index}", tokenizer, max_length))
         if n is not None and len(samples) >= n:
             break
     if not samples and n != 0:
