@@ -138,7 +138,8 @@ def model_fingerprint(model: HybridModel) -> str:
     """A loaded model's `fingerprint`: its architecture, canonical config, weights and dtype.
 
     A checkpoint directory's weights are named by their files' digests (`checkpoint_digest`);
-    built-in models, a few MB each, by their tensors' bytes.
+    built-in models, a few MB each, by their tensors' bytes. These are the bytes stored prefixes,
+    chunks and arena captures were always keyed by, so they stay readable.
     """
     directory = Path(model.name)
     on_disk = directory.is_dir() and weight_files(directory)
@@ -146,7 +147,7 @@ def model_fingerprint(model: HybridModel) -> str:
     return fingerprint(model.config.model_type, _canonical_config(model), weights, str(model.dtype))
 
 
-FAMILY = b"\0family\0"  # stands for the weights in a family's fingerprint: no weight digest starts so
+FAMILY = b"\0family\0"  # in place of the weights in a family's fingerprint: no weight file's name starts so
 
 
 def family_fingerprint(model: HybridModel, family: str) -> str:
