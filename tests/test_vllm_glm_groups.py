@@ -12,9 +12,11 @@ read from the raw buffer at the places vLLM's `KVCacheTensor`s say, never throug
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -67,10 +69,20 @@ BUDGET = 0.05
 @dataclass
 class ModelStandIn:
     """What the connector reads of vLLM's ModelConfig (its fingerprint). A real ModelConfig would
-    resolve the `glm5next` architecture, which the CPU build cannot import."""
+    resolve the `glm5next` architecture, which the CPU build cannot import. `model` is a checkpoint
+    directory (`stand_in_checkpoint`): the connector refuses a name it cannot resolve to files."""
 
-    model: str = "glm5next-shaped"
+    model: str
     dtype: torch.dtype = torch.bfloat16
+    revision: str | None = None
+
+
+def stand_in_checkpoint(directory: Path, model_type: str) -> str:
+    """A checkpoint directory holding only a `config.json` of `model_type` (the connector's
+    fingerprint reads its files; these tests never load weights)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return str(directory)
 
 
 def glm_layer_specs(latent_cache: str = "auto") -> dict[str, KVCacheSpec]:
@@ -122,8 +134,8 @@ def connector_config(model: ModelStandIn) -> VllmConfig:
 
 
 @pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return connector_config(ModelStandIn())
+def vllm_config(tmp_path_factory) -> VllmConfig:
+    return connector_config(ModelStandIn(stand_in_checkpoint(tmp_path_factory.mktemp("glm5next-shaped"), "glm5_next")))
 
 
 # GLM-5.3-Flash's latent in bf16, and in FlashMLA-sparse's packed fp8 format: 656 bytes a token
@@ -469,10 +481,42 @@ def test_plain_groups_keep_their_keys_and_their_grid(vllm_config, tmp_path):
     ]
     connector = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, KVCacheConfig(4, [], groups))
     before = [(type(g.kv_cache_spec).__name__, 640, g.kv_cache_spec.page_size_bytes, g.layer_names) for g in groups]
-    assert connector._side.blocks.fingerprint == engine_fingerprint("glm5next-shaped", before, str(torch.bfloat16))
+    assert connector._side.blocks.fingerprint == engine_fingerprint(
+        vllm_config.model_config.model, before, str(torch.bfloat16)
+    )
     assert connector._side.pool_alignment == 1 and connector._side.ring_groups == {}
     assert connector._side._layouts() == (
         {"model.layers.3.self_attn.attn": 640 * 2 * 2 * 64 * 2},
         dict.fromkeys(groups[1].layer_names, states.real_page_size_bytes),
     )
     connector.shutdown()
+
+
+def test_a_model_is_named_by_the_hub_snapshot_of_its_revision_or_refused_in_one_line(tmp_path):
+    """A model vLLM fetched by name is named by the files and commit of the snapshot its revision
+    resolved to, in vLLM's download directory; a name that resolves to none is refused."""
+    from hybridkv.integrations.vllm.block_store import engine_fingerprint
+    from tests.test_fingerprint import REPO, V2, hub_snapshot_on_disk
+
+    hub_snapshot_on_disk(tmp_path / "hub", "1" * 40)
+    hub_snapshot_on_disk(tmp_path / "hub", V2, weights=b"other weights", ref="v2")
+    spec = FullAttentionSpec(block_size=640, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    groups = KVCacheConfig(4, [], [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], spec)])
+    layout = [("FullAttentionSpec", 640, spec.page_size_bytes, ["model.layers.3.self_attn.attn"])]
+    fingerprints = []
+    for revision in (None, "v2"):
+        config = connector_config(ModelStandIn(REPO, revision=revision))
+        config.load_config.download_dir = str(tmp_path / "hub")
+        config.kv_transfer_config.kv_connector_extra_config = {"store": f"file://{tmp_path / 'store'}"}
+        connector = HybridKVConnector(config, KVConnectorRole.SCHEDULER, groups)
+        fingerprints.append(connector._side.blocks.fingerprint)
+        assert fingerprints[-1] == engine_fingerprint(
+            REPO, layout, str(torch.bfloat16), revision, str(tmp_path / "hub")
+        )
+        connector.shutdown()
+    assert fingerprints[0] != fingerprints[1]
+    config.model_config = ModelStandIn("glm5next-shaped")
+    with pytest.raises(HybridKVError) as refused:
+        HybridKVConnector(config, KVConnectorRole.SCHEDULER, groups)
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("HybridKVConnector cannot name the model 'glm5next-shaped' (revision main)")

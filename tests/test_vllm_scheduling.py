@@ -40,6 +40,7 @@ from tests.test_vllm_glm_groups import (  # noqa: E402
     make_engine,
     request,
     scramble,
+    stand_in_checkpoint,
     tokens,
 )
 
@@ -62,8 +63,10 @@ def plain_hybrid_specs() -> dict[str, KVCacheSpec]:
 
 
 @pytest.fixture(scope="module")
-def plain_config() -> VllmConfig:
-    return connector_config(ModelStandIn(model="qwen3-next-shaped"))
+def plain_config(tmp_path_factory) -> VllmConfig:
+    return connector_config(
+        ModelStandIn(stand_in_checkpoint(tmp_path_factory.mktemp("qwen3-next-shaped"), "qwen3_next"))
+    )
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@
 Everything is SHA-256 over explicit bytes (token ids as little-endian int64), never Python's
 `hash`. A key binds:
 
-* the **model fingerprint** — architecture, canonical config and a digest of the weights, so a
-  cache written by one model is never read by another;
+* the **model fingerprint** (`fingerprint`, one recipe for everything cached) — architecture,
+  config, a digest of the weights, dtype and what else the bytes depend on, so a cache written by
+  one model is never read by another;
 * the **tenant salt** (`cache_salt`), so one tenant's prompts never hit another's cache;
 * the tokens: a **chained hash** over C-token blocks for prefixes (the key of a prefix of p
   tokens commits to all p tokens and their order), and a position-independent **chunk key**
@@ -93,15 +94,30 @@ def checkpoint_digest(directory: Path) -> bytes:
     return "\n".join(files).encode()
 
 
-def checkpoint_fingerprint(directory: Path, *context: bytes) -> str:
-    """The fingerprint of a checkpoint directory as an engine loads it: its `config.json` and every
-    weight file's digest (`checkpoint_digest`), bound to `context` (what else the cached bytes
-    depend on, such as an engine's cache layout and dtype), as hex."""
+def fingerprint(architecture: str, config: bytes, weights: bytes, dtype: str, *context: bytes) -> str:
+    """The one fingerprint of everything hybridkv caches, as hex: SHA-256 over the model's
+    architecture, its config, a digest of its weights, the dtype they run in, and `context` (what
+    else the cached bytes depend on: an engine's cache layout, the hub commit a checkpoint was
+    fetched at). Every other fingerprint is this one with its parts filled in."""
+    return _sha(b"hybridkv-model", architecture.encode(), config, weights, dtype.encode(), *context).hex()
+
+
+def _model_type(config: bytes) -> str:
+    try:
+        parsed = json.loads(config)
+    except ValueError:
+        return ""
+    return str(parsed.get("model_type", "")) if isinstance(parsed, dict) else ""
+
+
+def checkpoint_fingerprint(directory: Path, *context: bytes, dtype: str = "") -> str:
+    """A checkpoint directory as an engine loads it: its `config.json` as written (and the
+    `model_type` in it), every weight file's digest (`checkpoint_digest`), `dtype` and `context`."""
     try:
         config = (directory / "config.json").read_bytes()
     except OSError:
         config = b""
-    return _sha(b"hybridkv-checkpoint", config, checkpoint_digest(directory), *context).hex()
+    return fingerprint(_model_type(config), config, checkpoint_digest(directory), dtype, *context)
 
 
 def _tensor_digest(model: HybridModel) -> bytes:
@@ -114,23 +130,29 @@ def _tensor_digest(model: HybridModel) -> bytes:
     return weights.digest()
 
 
+def _canonical_config(model: HybridModel) -> bytes:
+    return json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
+
+
 def model_fingerprint(model: HybridModel) -> str:
-    """Architecture + canonical config + weights digest + the dtype the weights run in, as hex.
+    """A loaded model's `fingerprint`: its architecture, canonical config, weights and dtype.
 
     A checkpoint directory's weights are named by their files' digests (`checkpoint_digest`);
-    built-in models, a few MB each, by their tensors' bytes.
+    built-in models, a few MB each, by their tensors' bytes. These are the bytes stored prefixes,
+    chunks and arena captures were always keyed by, so they stay readable.
     """
-    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
     directory = Path(model.name)
     on_disk = directory.is_dir() and weight_files(directory)
     weights = checkpoint_digest(directory) if on_disk else _tensor_digest(model)
-    dtype = str(model.dtype).encode()
-    return _sha(b"hybridkv-model", model.config.model_type.encode(), config, weights, dtype).hex()
+    return fingerprint(model.config.model_type, _canonical_config(model), weights, str(model.dtype))
+
+
+FAMILY = b"\0family\0"  # in place of the weights in a family's fingerprint: no weight file's name starts so
 
 
 def family_fingerprint(model: HybridModel, family: str) -> str:
-    """A fingerprint shared by every checkpoint of one model family that the user names `family`:
-    architecture, canonical config and dtype, but not the weights.
+    """The `fingerprint` shared by every checkpoint of one model family that the user names
+    `family`: architecture, canonical config and dtype, the family's name in place of the weights.
 
     Store keys normally commit to the weights, so a cache written by one checkpoint is never read
     by another. Reading another checkpoint's caches (KVShareArena's cross-checkpoint axis: a
@@ -140,10 +162,7 @@ def family_fingerprint(model: HybridModel, family: str) -> str:
     """
     if not family:
         raise ValueError("a cache family needs a name")
-    config = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode()
-    return _sha(
-        b"hybridkv-family", family.encode(), model.config.model_type.encode(), config, str(model.dtype).encode()
-    ).hex()
+    return fingerprint(model.config.model_type, _canonical_config(model), FAMILY + family.encode(), str(model.dtype))
 
 
 class PrefixKeys:

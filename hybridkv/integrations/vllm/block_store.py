@@ -14,7 +14,6 @@ just shortens the match.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub import snapshot_download
 
 from hybridkv.cache.block_codec import BlockCodec
 from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint
-from hybridkv.errors import CorruptEntry
+from hybridkv.errors import CorruptEntry, HybridKVError
 from hybridkv.methods import Budget, PositionsMatch, RecoveryMethod
 from hybridkv.store.codec import Entry
 from hybridkv.store.guarded import GuardedStore
@@ -219,16 +219,41 @@ def _fits(pages: Pages, layout: Layout) -> bool:
     return sizes.keys() == layout.keys() and all(want in (None, sizes[name]) for name, want in layout.items())
 
 
-def engine_fingerprint(model: str, layout: list[tuple[str, int, int, list[str]]], dtype: str) -> str:
-    """Binds cached bytes to one model and one vLLM cache layout.
+def hub_snapshot(model: str, revision: str | None, cache_dir: str | None = None) -> Path:
+    """The snapshot vLLM loaded for the Hugging Face repository `model` at `revision` ("main" when
+    None), looked up in the local cache only: `cache_dir` (vLLM's --download-dir), else the hub's
+    own. Refused in one line when it is not there."""
+    try:
+        return Path(snapshot_download(model, revision=revision or "main", cache_dir=cache_dir, local_files_only=True))
+    except (OSError, ValueError) as error:  # not cached, or no repository name at all
+        raise HybridKVError(
+            f"HybridKVConnector cannot name the model {model!r} (revision {revision or 'main'}): it is neither a "
+            f"local directory nor a snapshot in the Hugging Face cache ({type(error).__name__}); pass the "
+            "checkpoint's local directory as the model"
+        ) from error
 
-    `layout` lists each KV-cache group as (spec class, block size, page bytes, layer names). A
-    local checkpoint is named as everywhere in hybridkv (`checkpoint_fingerprint`: its config and
-    every byte of its weights, hashed once and kept beside them), so two checkpoints that differ in
-    one weight never read each other's pages; a model vLLM fetches by name, by that name.
+
+def engine_fingerprint(
+    model: str,
+    layout: list[tuple[str, int, int, list[str]]],
+    dtype: str,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> str:
+    """Binds cached bytes to one model and one vLLM cache layout: hybridkv's one `fingerprint` of
+    the checkpoint's files (`checkpoint_fingerprint`: its config and every byte of its weights,
+    hashed once and kept beside them) in `dtype`, bound to `layout` (each KV-cache group as spec
+    class, block size, page bytes, layer names).
+
+    `model` is a local directory, or a name vLLM fetched from the Hugging Face hub: then the files
+    of the snapshot it resolved (`hub_snapshot`, at `revision`, in `cache_dir`) and that snapshot's
+    commit name it, so two revisions of one repository never read each other's pages. Pages keyed
+    by the connector's earlier recipe (a recipe of its own; a fetched model by its name alone) are
+    never read: a miss, recomputed once.
     """
-    context = json.dumps([layout, dtype], sort_keys=True).encode()
+    context = json.dumps(layout, sort_keys=True).encode()
     path = Path(model)
     if path.is_dir():
-        return checkpoint_fingerprint(path, b"vllm-pages", context)
-    return hashlib.sha256(context + model.encode()).hexdigest()
+        return checkpoint_fingerprint(path, b"vllm-pages", context, dtype=dtype)
+    snapshot = hub_snapshot(model, revision, cache_dir)
+    return checkpoint_fingerprint(snapshot, b"vllm-pages", context, b"commit:" + snapshot.name.encode(), dtype=dtype)

@@ -92,7 +92,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 "worker recomputes the request instead of failing it", self._kv_transfer_config.kv_load_failure_policy,
             )  # fmt: skip
         groups = classify_groups(kv_cache_config)
-        fingerprint = engine_fingerprint(model.model, groups.layout, str(model.dtype))
+        download_dir = vllm_config.load_config.download_dir  # where vLLM fetched a model named by its repository
+        fingerprint = engine_fingerprint(model.model, groups.layout, str(model.dtype), model.revision, download_dir)
         blocks = BlockStore(GuardedStore(open_store(config.store)), fingerprint, groups.block_size, config.cache_salt)
         self._side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
