@@ -453,6 +453,29 @@ def test_the_connectors_writer_waits_for_earlier_saves_only_survives_failures_an
     assert writer not in StoreWriter.registry.get("file:///unused", [])
 
 
+def test_a_lookup_waits_for_the_saves_to_its_own_store_only():
+    """`drain_store` waits for the writes queued to its store in this process, not for another
+    store's (a stalled store elsewhere never holds a lookup back)."""
+    import threading
+
+    pytest.importorskip("vllm")
+    from hybridkv.integrations.vllm.writes import StoreWriter
+
+    ours, theirs = StoreWriter("memory://ours"), StoreWriter("memory://theirs")
+    stalled, written = threading.Event(), []
+    theirs.submit(lambda: stalled.wait(10))
+    ours.submit(lambda: written.append("ours"))
+    drained = threading.Thread(target=StoreWriter.drain_store, args=("memory://ours",))
+    drained.start()
+    drained.join(timeout=2)  # waiting for the stalled store would take DRAIN_TIMEOUT_S (5 s)
+    assert not drained.is_alive() and written == ["ours"]
+    assert not theirs.drain(timeout=0.1)  # which is still stalled
+    stalled.set()
+    ours.close()
+    theirs.close()
+    assert not StoreWriter.registry.get("memory://ours") and not StoreWriter.registry.get("memory://theirs")
+
+
 def test_a_bench_model_directory_holding_another_bench_model_is_refused(tmp_path):
     pytest.importorskip("vllm")
     from hybridkv.errors import HybridKVError
