@@ -379,13 +379,12 @@ _SHARED: dict = {}  # the trace and sizes, inherited by forked workers
 
 
 def _run_point(args: tuple) -> dict:
-    policy, capacity, config, counter = args
-    trace, sizes = _SHARED["trace"], _SHARED["sizes"]
+    policy, capacity, config = args
+    trace, sizes, counter = _SHARED["trace"], _SHARED["sizes"], _SHARED["counter"]
 
     def progress(k: int) -> None:
-        if counter is not None:
-            with counter.get_lock():
-                counter.value += k
+        with counter.get_lock():
+            counter.value += k
 
     point = simulate(trace, sizes, policy, capacity, config.align_block, config.tail, config.replicate, progress)
     return asdict(point)
@@ -400,19 +399,24 @@ def run_sweep(config: TraceSimConfig, model: str = GLM_5_3_FLASH, show_progress:
     trace = read_trace(config.trace)
     sizes = model_sizes(model, trace, config.tail)
     read_seconds = time.perf_counter() - started
-    _SHARED.update(trace=trace, sizes=sizes)
-    points = [(p, c) for p in config.policies for c in config.capacities]
-    per_point = len(trace.lengths) * config.replicate
+    points = [(p, c, config) for p in config.policies for c in config.capacities]
     context = multiprocessing.get_context("fork")
     counter = context.Value("q", 0)
-    rows = []
-    with tqdm(total=per_point * len(points), desc="trace-sim", unit="req", disable=not show_progress) as bar:
-        with context.Pool(min(config.workers, len(points))) as pool:
-            pending = pool.map_async(_run_point, [(p, c, config, counter) for p, c in points])
-            while not pending.ready():
-                pending.wait(0.5)
+    _SHARED.update(trace=trace, sizes=sizes, counter=counter)  # forked workers inherit them
+    total = len(trace.lengths) * config.replicate * len(points)
+    with tqdm(total=total, desc="trace-sim", unit="req", disable=not show_progress) as bar:
+        if config.workers == 1:
+            rows = []
+            for point in points:
+                rows.append(_run_point(point))
                 bar.update(counter.value - bar.n)
-            rows = pending.get()
+        else:
+            with context.Pool(min(config.workers, len(points))) as pool:
+                pending = pool.map_async(_run_point, points, chunksize=1)
+                while not pending.ready():
+                    pending.wait(0.5)
+                    bar.update(counter.value - bar.n)
+                rows = pending.get()
         bar.update(counter.value - bar.n)
     hit, total = direct_prefix_hits(trace)
     return {
