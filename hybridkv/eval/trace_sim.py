@@ -212,15 +212,17 @@ def simulate(
     replicate: int = 1,
     progress=None,
     on_evict=None,
+    hit_log: list | None = None,
 ) -> Point:
-    """Replay `trace` (`replicate` disjoint copies, interleaved) under one policy and capacity."""
+    """Replay `trace` (`replicate` disjoint copies, interleaved) under one policy and capacity.
+    `hit_log`, when given, receives (request, tokens matched, start of recompute, exact) per hit."""
     start_time = time.perf_counter()
     capacity = capacity_gb * GB
     run = _align if policy.startswith("vllm-align") else _hybridkv
     rule = "value" if policy == "hybridkv-value" else "lru"
     store = PolicyStore(capacity, rule, on_evict)
     point = Point(policy, capacity_gb)
-    run(trace, sizes, policy, store, point, align_block, tail, replicate, progress)
+    run(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log)
     point.bytes_written, point.evicted, point.refused = store.bytes_written, store.evicted, store.refused
     point.seconds = time.perf_counter() - start_time
     return point
@@ -240,7 +242,7 @@ def _requests(trace: Trace, replicate: int, progress):
         progress(count % 1000)
 
 
-def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, progress) -> None:
+def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
     kv, state_bytes, F = sizes.kv_bytes_per_token, sizes.state_bytes, sizes.flops.__getitem__
     head, node_end, lengths, paths = sizes.head_flops, trace.node_end, trace.lengths, trace.paths
     entries = store.entries
@@ -270,6 +272,8 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
             point.hit_tokens += hit
             point.bytes_read += hit * kv
             point.saved_flops += F(start)
+            if hit_log is not None:
+                hit_log.append((tick, hit, start, exact))
             if exact:
                 point.exact_hits += 1
                 point.exact_hit_tokens += hit
@@ -305,7 +309,7 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
                     point.state_bytes_written += state_bytes
 
 
-def _align(trace, sizes, policy, store, point, align_block, tail, replicate, progress) -> None:
+def _align(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
     kv, state_bytes, F = sizes.kv_bytes_per_token, sizes.state_bytes, sizes.flops.__getitem__
     head, lengths, paths = sizes.head_flops, trace.lengths, trace.paths
     per = align_block // TRACE_BLOCK
@@ -336,6 +340,8 @@ def _align(trace, sizes, policy, store, point, align_block, tail, replicate, pro
             point.exact_hit_tokens += tokens
             point.bytes_read += tokens * kv + state_bytes
             point.saved_flops += F(tokens)
+            if hit_log is not None:
+                hit_log.append((tick, tokens, tokens, True))
             store.use(-grid[hit - 1] - 1)
         for k in range(held - 1, -1, -1):
             store.use(grid[k])

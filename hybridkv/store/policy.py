@@ -32,13 +32,14 @@ KV_BLOCK, STATE = "kv-block", "state"
 
 
 class Entry:
-    __slots__ = ("key", "kind", "nbytes", "saved", "uses", "priority", "rank", "parent", "dependents")
+    __slots__ = ("key", "kind", "nbytes", "saved", "uses", "priority", "rank", "parent", "dependents", "depth")
 
     def __init__(self, key, kind: str, nbytes: int, saved: float, rank: float, parent: Entry | None) -> None:
         self.key, self.kind, self.nbytes, self.saved, self.rank, self.parent = key, kind, nbytes, saved, rank, parent
         self.uses = 1
         self.priority = 0.0
         self.dependents = 0
+        self.depth = 0  # entries it depends on, through its parents
 
     def density(self) -> float:
         """Compute saved per byte held, counting every use so far."""
@@ -69,11 +70,11 @@ class PolicyStore:
 
     def _push(self, entry: Entry) -> None:
         if len(self._heap) > 4 * len(self.entries) + 4096:  # mostly stale records: rebuild
-            self._heap = [(e.priority, e.rank, i, e) for i, e in enumerate(self.entries.values())]
+            self._heap = [(e.priority, -e.depth, e.rank, i, e) for i, e in enumerate(self.entries.values())]
             self._seq = len(self._heap)
             heapq.heapify(self._heap)
         self._seq += 1
-        heapq.heappush(self._heap, (entry.priority, entry.rank, self._seq, entry))
+        heapq.heappush(self._heap, (entry.priority, -entry.depth, entry.rank, self._seq, entry))
 
     def __contains__(self, key) -> bool:
         return key in self.entries
@@ -126,6 +127,7 @@ class PolicyStore:
                 self.refused += 1
                 break
             entry.parent = up
+            entry.depth = up.depth + 1 if up is not None else 0
             if self._bounded:
                 self._push(entry)
             self.entries[entry.key] = entry
@@ -140,7 +142,7 @@ class PolicyStore:
     def _make_room(self, nbytes: int, below: float) -> bool:
         victims, freed, heap, entries = [], 0, self._heap, self.entries
         while self.used - freed + nbytes > self.capacity and heap:
-            priority, _, _, entry = heap[0]
+            priority, _, _, _, entry = heap[0]
             if entries.get(entry.key) is not entry or priority != entry.priority:
                 heapq.heappop(heap)  # a stale record: the entry was re-prioritised or is gone
                 continue
