@@ -62,7 +62,7 @@ class TraceSimConfig:
     )
     policies: tuple[str, ...] = field(default=POLICIES, metadata={"help": f"policies ({', '.join(POLICIES)})"})
     align_block: int = field(
-        default=3584, metadata={"help": "vLLM align mode's block in tokens, a multiple of 512 (GLM-5.3-Flash: 3,584)"}
+        default=3584, metadata={"help": "vLLM align mode's block in tokens (GLM-5.3-Flash: 3,584)"}
     )
     tail: float = field(default=0.05, metadata={"help": "hybridkv's replay tail, a fraction of the matched prefix"})
     replicate: int = field(
@@ -75,8 +75,8 @@ class TraceSimConfig:
     workers: int = field(default=2, metadata={"help": "processes running sweep points side by side"})
 
     def check(self) -> None:
-        if self.align_block < TRACE_BLOCK or self.align_block % TRACE_BLOCK:
-            raise HybridKVError(f"--align-block {self.align_block} is not a positive multiple of {TRACE_BLOCK}")
+        if self.align_block < 1:
+            raise HybridKVError(f"--align-block {self.align_block} is not a positive token count")
         if not 0 <= self.tail < 1:
             raise HybridKVError(f"--tail {self.tail} is not a fraction in [0, 1)")
         if self.replicate < 1 or self.workers < 1:
@@ -159,12 +159,12 @@ class Sizes:
         return self.flops[p]
 
 
-def model_sizes(model: str, trace: Trace, tail: float) -> Sizes:
+def model_sizes(model: str, trace: Trace, tail: float, align_block: int = 3584) -> Sizes:
     """Cache sizes and the cost model's prefill FLOPs at every position the replay can ask for."""
     config = load_config(model)
     sizes, costs = cache_sizes(config), cost_model(config)
     ends = set(trace.node_end) | {n - 1 for n in trace.lengths} | {0}
-    positions = ends | {p - tail_tokens(p, tail) for p in ends}
+    positions = ends | {p - tail_tokens(p, tail) for p in ends} | set(range(0, max(trace.lengths) + 1, align_block))
     flops = {p: costs.prefill_flops(0, p) - costs.head_flops if p else 0.0 for p in sorted(positions)}
     return Sizes(model, sizes.kv_bytes_per_token, sizes.state_bytes_per_checkpoint, flops, costs.head_flops)
 
@@ -312,7 +312,6 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
 def _align(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
     kv, state_bytes, F = sizes.kv_bytes_per_token, sizes.state_bytes, sizes.flops.__getitem__
     head, lengths, paths = sizes.head_flops, trace.lengths, trace.paths
-    per = align_block // TRACE_BLOCK
     block_bytes = align_block * kv
     entries = store.entries
     marconi, every = policy == "vllm-align-marconi", policy == "vllm-align-every-block"
@@ -322,8 +321,9 @@ def _align(trace, sizes, policy, store, point, align_block, tail, replicate, pro
         point.requests += 1
         point.input_tokens += n
         point.prefill_flops += head + F(n)
-        # grid nodes: the node ending each full align block (a KV entry, maybe a state)
-        grid = [path[k * per - 1] + offset for k in range(1, n // align_block + 1)]
+        # grid nodes: the trace block holding each full align block's end (a KV entry, maybe a state); an
+        # align block that ends inside a trace block needs that whole trace block matched
+        grid = [path[-(-k * align_block // TRACE_BLOCK) - 1] + offset for k in range(1, n // align_block + 1)]
         held = 0
         while held < len(grid) and grid[held] in entries:
             held += 1
@@ -403,7 +403,7 @@ def run_sweep(config: TraceSimConfig, model: str = GLM_5_3_FLASH, show_progress:
     config.check()
     started = time.perf_counter()
     trace = read_trace(config.trace)
-    sizes = model_sizes(model, trace, config.tail)
+    sizes = model_sizes(model, trace, config.tail, config.align_block)
     read_seconds = time.perf_counter() - started
     points = [(p, c, config) for p in config.policies for c in config.capacities]
     context = multiprocessing.get_context("fork")

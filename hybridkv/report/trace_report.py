@@ -74,6 +74,7 @@ def sweep_tables(summary: dict) -> list[str]:
 def plot_sweep(summary: dict, path: Path) -> Path:
     """One panel per measure against capacity (log scale; the unbounded store drawn as a dashed level)."""
     policies = _by_policy(summary)
+    finite_sweep = any(r["capacity_gb"] not in (0, math.inf) for r in summary["points"])
     figure = Figure(figsize=(15, 4.2))
     axes = figure.subplots(1, len(MEASURES) + 1)
     for ax, (key, title) in zip(axes, MEASURES, strict=False):
@@ -84,7 +85,8 @@ def plot_sweep(summary: dict, path: Path) -> Path:
             for r in rows:
                 if r["capacity_gb"] == math.inf:
                     ax.axhline(r[key], color=color, linestyle=":", linewidth=1)
-        ax.set_xscale("log")
+        if finite_sweep:
+            ax.set_xscale("log")
         ax.set_xlabel("store capacity (GB)")
         ax.set_title(title + " (dotted: unbounded)")
         ax.grid(alpha=0.3)
@@ -98,8 +100,9 @@ def plot_sweep(summary: dict, path: Path) -> Path:
             color=f"C{index}",
             label=policy,
         )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if finite_sweep:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel("store capacity (GB)")
     ax.set_title("TB written")
     ax.grid(alpha=0.3)
