@@ -27,6 +27,7 @@ from hybridkv.eval.calibrate import CalibrateConfig
 from hybridkv.eval.contract import ArenaConfig
 from hybridkv.eval.plan import GLM_5_3_FLASH, Deployment
 from hybridkv.eval.probe import ProbeConfig
+from hybridkv.eval.trace_sim import POLICIES, TraceSimConfig
 from hybridkv.eval.ttft import TTFTConfig
 from hybridkv.eval.validate import ValidateConfig
 from hybridkv.eval.workloads import WORKLOADS
@@ -383,6 +384,18 @@ def _plan(args: argparse.Namespace) -> None:
         raise HybridKVError("--rate and --retention must not be negative")
     plan = make_plan(args.model, workload)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan_table(plan, workload))
+
+
+def _trace_sim(args: argparse.Namespace) -> None:
+    from hybridkv.eval.trace_sim import run_sweep
+    from hybridkv.report.trace_report import sweep_tables, write_sweep
+
+    config = _config(TraceSimConfig, args)
+    config.check()  # a bad value fails before the trace is read
+    summary = run_sweep(config, args.model, show_progress=not args.no_progress)
+    print("\n".join(sweep_tables(summary)))
+    for path in write_sweep(summary, args.out):
+        print(f"wrote {path}")
 
 
 def _vllm_bench(args: argparse.Namespace) -> None:
@@ -808,6 +821,23 @@ COMMANDS = (
         "From a config alone (no weights): attention KV bytes per token, linear-state bytes per checkpoint, the cache "
         "memory of checkpoint-every-B schemes vs tail-replay for a workload, and the speedup over full prefill that "
         "the FLOP cost model predicts for each method (an upper bound).",
+    ),
+    Command(
+        "trace-sim",
+        "replay a request trace against a model's cache sizes and a store of each capacity, under caching policies",
+        _trace_sim,
+        (
+            (TraceSimConfig, {"policies": {"type": comma_list(str, "policies", choices=POLICIES)}}),
+            _PLAN_MODEL,
+            _output("out/trace-sim"),
+        ),
+        "Replays a Mooncake-format trace (512-token hash blocks) against the model's KV bytes per token, state bytes "
+        "per checkpoint and prefill cost model (from its config alone, as `plan` reads them) and a store of each "
+        "capacity: vLLM's align mode (last state per prompt; with Marconi-style admission, vLLM #37898; a state at "
+        "every block), and hybridkv's token-level KV with tail replay and exact checkpoints at prompt ends (LRU, or "
+        "admission and eviction by prefill compute saved per byte). Prints token hit share, exact-hit share, compute "
+        "saved, bytes written and read per capacity, and the capacity each policy needs to save half the prefill "
+        "compute; writes OUT/summary.json, OUT/report.md and OUT/sweep.png.",
     ),
     Command(
         "vllm-bench",
