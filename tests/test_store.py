@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
+import random
+import signal
 import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,6 +281,95 @@ def test_file_store_readers_never_see_half_an_entry(tmp_path):
     assert seen and all(data in versions for data in seen)
 
 
+def test_a_capacity_bound_file_store_is_an_lru_over_its_bytes(tmp_path):
+    """Entries go least recently used first (a read counts as a use, a replacement as a write), the
+    bytes on disk never exceed the capacity once a write is done, and what is kept reads back whole."""
+    rng = random.Random(3)
+    store = open_store(f"file://{tmp_path / 'files'}?capacity=20000")
+    assert isinstance(store, FileStore) and store.capacity_bytes == 20000
+    oracle: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+    for step in range(300):
+        key = hex_key(str(rng.randrange(40)))
+        if rng.random() < 0.4:
+            assert store.get(key) == oracle.get(key)
+            if key in oracle:
+                oracle.move_to_end(key)
+            continue
+        data = os.urandom(rng.randrange(500, 6000))
+        oracle.pop(key, None)
+        while sum(map(len, oracle.values())) + len(data) > 20000:
+            oracle.popitem(last=False)
+        store.put(key, data)
+        oracle[key] = data
+        assert store.stats()["bytes"] == sum(map(len, oracle.values())) <= 20000, step
+    assert {key: store.get(key) for key in oracle} == oracle
+
+
+def test_a_file_store_capacity_is_refused_when_malformed_and_an_entry_larger_than_it_is_refused(tmp_path):
+    for bad in ("abc", "0", "-1"):
+        with pytest.raises(HybridKVError, match="capacity must be a positive byte count"):
+            open_store(f"file://{tmp_path / 'files'}?capacity={bad}")
+    store = open_store(f"file://{tmp_path / 'files'}?capacity=100")
+    with pytest.raises(StoreError, match="exceeds the file store's capacity") as refused:
+        store.put(hex_key("big"), b"x" * 101)
+    assert not refused.value.unavailable and store.stats()["entries"] == 0
+
+
+def _write_entries(root: str, writer: int, count: int) -> None:
+    store = open_store(f"file://{root}?capacity=100000")
+    for i in range(count):
+        store.put(hex_key(f"{writer}-{i}"), bytes([writer]) * (4000 + 100 * i))
+
+
+def test_two_processes_writing_to_one_capacity_never_exceed_it_and_agree_on_what_it_holds(tmp_path):
+    root = str(tmp_path / "files")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_entries, args=(root, w, 60)) for w in (1, 2)]
+    for process in writers:
+        process.start()
+    for process in writers:
+        process.join(120)
+        assert process.exitcode == 0
+    store = FileStore(root)
+    held = store.stats()["bytes"]
+    assert 0 < held <= 100000
+    assert int((Path(root) / ".usage").read_text()) == held  # neither counted the other's bytes twice
+    for writer in (1, 2):  # what is kept is whole
+        kept = {i: store.get(hex_key(f"{writer}-{i}")) for i in range(60)}
+        assert all(data in (None, bytes([writer]) * (4000 + 100 * i)) for i, data in kept.items())
+
+
+KILLED_MID_EVICTION = """
+import os, signal, sys
+from pathlib import Path
+from hybridkv.store import open_store
+
+store = open_store(f"file://{sys.argv[1]}?capacity=10000")
+for i in range(4):
+    store.put(f"{i:02x}" * 4, bytes([i]) * 2400)
+unlink = Path.unlink
+def unlink_then_die(self, missing_ok=False):
+    unlink(self, missing_ok=missing_ok)
+    os.kill(os.getpid(), signal.SIGKILL)  # the first victim is gone, the others and the count are not
+Path.unlink = unlink_then_die
+store.put("ff" * 4, bytes([255]) * 6000)  # needs three entries removed
+"""
+
+
+def test_a_writer_killed_mid_eviction_leaves_misses_never_wrong_bytes_and_the_next_write_recounts(tmp_path):
+    root = tmp_path / "files"
+    done = subprocess.run([sys.executable, "-c", KILLED_MID_EVICTION, str(root)], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    store = open_store(f"file://{root}?capacity=10000")
+    kept = {i: store.get(f"{i:02x}" * 4) for i in range(4)}
+    assert kept[0] is None and all(data == bytes([i]) * 2400 for i, data in kept.items() if i)  # first victim only
+    assert store.get("ff" * 4) is None  # the write that died never landed
+    assert int((root / ".usage").read_text()) > store.stats()["bytes"]  # an estimate from above
+    store.put("ee" * 4, bytes([238]) * 6000)
+    assert int((root / ".usage").read_text()) == store.stats()["bytes"] <= 10000
+    assert store.get("ee" * 4) == bytes([238]) * 6000
+
+
 def test_file_store_refuses_keys_that_are_not_hex_digests(tmp_path):
     store = FileStore(tmp_path / "files")
     for key in ["../escape", "ABCDEF", "", "k/../../x"]:
@@ -298,6 +391,7 @@ def test_file_store_refuses_keys_that_are_not_hex_digests(tmp_path):
         "memory://?capacity=abc",
         "memory://?capacity=0",
         "memory://?capacity=-5",
+        "file:///tmp/x?capacity=0",
         "redis://",
         "redis://127.0.0.1:6379/notadb",
         "valkey://127.0.0.1:notaport",

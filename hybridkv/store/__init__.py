@@ -1,7 +1,8 @@
 """Byte stores behind one small interface, chosen by URL (as LMCache chooses its backends).
 
 memory://[?capacity=BYTES]     in-process LRU with a byte budget
-file:///path                   one file per entry, atomic writes, survives restarts
+file:///path[?capacity=BYTES]  one file per entry, atomic writes, survives restarts; with a
+                               capacity an LRU kept by every process writing to it
 redis://host:port[/db]         a shared Redis server
 valkey://host:port[/db]        a shared Valkey server (same protocol)
 lmcache://…                    LMCache's own storage layer (see hybridkv/store/lmcache_store.py)
@@ -26,19 +27,14 @@ def open_store(url: str) -> Store:
     if scheme == "memory":
         from hybridkv.store.memory import DEFAULT_CAPACITY, MemoryStore
 
-        query = parse_qs(parsed.query)
-        try:
-            capacity = int(query.get("capacity", [DEFAULT_CAPACITY])[0])
-        except ValueError as err:
-            raise HybridKVError(f"store {url!r}: capacity must be a positive byte count") from err
-        return MemoryStore(capacity, url=url)
+        return MemoryStore(_capacity(url, parsed.query) or DEFAULT_CAPACITY, url=url)
     if scheme == "file":
         from hybridkv.store.file import FileStore
 
         path = (parsed.netloc + parsed.path) if parsed.netloc not in ("", "localhost") else parsed.path
         if not path:
             raise HybridKVError(f"store {url!r}: a file store needs a directory, e.g. file:///tmp/hybridkv")
-        return FileStore(path, url=url)
+        return FileStore(path, url=url, capacity_bytes=_capacity(url, parsed.query))
     if scheme in ("redis", "valkey"):
         from hybridkv.store.redis_store import RedisStore
 
@@ -50,6 +46,20 @@ def open_store(url: str) -> Store:
 
         return LMCacheStore(url)
     raise HybridKVError(f"unknown store URL {url!r}; use one of: {', '.join(s + '://' for s in SCHEMES)}")
+
+
+def _capacity(url: str, query: str) -> int | None:
+    """The URL's `?capacity=BYTES`, or None when it names none."""
+    values = parse_qs(query).get("capacity")
+    if values is None:
+        return None
+    try:
+        capacity = int(values[0])
+    except ValueError:
+        capacity = 0
+    if capacity <= 0:
+        raise HybridKVError(f"store {url!r}: capacity must be a positive byte count")
+    return capacity
 
 
 __all__ = ["SCHEMES", "GuardedStore", "Store", "StoreError", "open_store"]
