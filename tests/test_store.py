@@ -19,6 +19,7 @@ import sys
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 import pytest
@@ -281,12 +282,24 @@ def test_file_store_readers_never_see_half_an_entry(tmp_path):
     assert seen and all(data in versions for data in seen)
 
 
-def test_a_capacity_bound_file_store_is_an_lru_over_its_bytes(tmp_path):
+@pytest.fixture(params=["file", "redis"])
+def bounded_url(request, tmp_path):
+    """A store URL with a capacity of 20,000 bytes, on a file store or the session's redis-server."""
+    if request.param == "file":
+        yield f"file://{tmp_path / 'files'}?capacity=20000"
+        return
+    url = f"{request.getfixturevalue('redis_server').url}/2?capacity=20000"
+    _wipe(url)
+    yield url
+    _wipe(url)
+
+
+def test_a_capacity_bound_store_is_an_lru_over_its_bytes(bounded_url):
     """Entries go least recently used first (a read counts as a use, a replacement as a write), the
-    bytes on disk never exceed the capacity once a write is done, and what is kept reads back whole."""
+    bytes held never exceed the capacity once a write is done, and what is kept reads back whole."""
     rng = random.Random(3)
-    store = open_store(f"file://{tmp_path / 'files'}?capacity=20000")
-    assert isinstance(store, FileStore) and store.capacity_bytes == 20000
+    store = open_store(bounded_url)
+    assert store.capacity_bytes == 20000
     oracle: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
     for step in range(300):
         key = hex_key(str(rng.randrange(40)))
@@ -303,6 +316,9 @@ def test_a_capacity_bound_file_store_is_an_lru_over_its_bytes(tmp_path):
         oracle[key] = data
         assert store.stats()["bytes"] == sum(map(len, oracle.values())) <= 20000, step
     assert {key: store.get(key) for key in oracle} == oracle
+    if "counted_bytes" in (stats := store.stats()):
+        assert stats["counted_bytes"] == stats["bytes"]
+    store.close()
 
 
 def test_a_file_store_capacity_is_refused_when_malformed_and_an_entry_larger_than_it_is_refused(tmp_path):
@@ -315,28 +331,34 @@ def test_a_file_store_capacity_is_refused_when_malformed_and_an_entry_larger_tha
     assert not refused.value.unavailable and store.stats()["entries"] == 0
 
 
-def _write_entries(root: str, writer: int, count: int) -> None:
-    store = open_store(f"file://{root}?capacity=100000")
+def _write_entries(url: str, writer: int, count: int) -> None:
+    store = open_store(url)
     for i in range(count):
-        store.put(hex_key(f"{writer}-{i}"), bytes([writer]) * (4000 + 100 * i))
+        store.put(hex_key(f"{writer}-{i}"), bytes([writer]) * (1000 + 25 * i))
+        store.get(hex_key(f"{3 - writer}-{i // 2}"))  # the other writer's entries are read too
+    store.close()
 
 
-def test_two_processes_writing_to_one_capacity_never_exceed_it_and_agree_on_what_it_holds(tmp_path):
-    root = str(tmp_path / "files")
+def test_two_processes_writing_to_one_capacity_never_exceed_it_and_agree_on_what_it_holds(bounded_url):
     context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_write_entries, args=(root, w, 60)) for w in (1, 2)]
+    writers = [context.Process(target=_write_entries, args=(bounded_url, w, 60)) for w in (1, 2)]
     for process in writers:
         process.start()
     for process in writers:
         process.join(120)
         assert process.exitcode == 0
-    store = FileStore(root)
-    held = store.stats()["bytes"]
-    assert 0 < held <= 100000
-    assert int((Path(root) / ".usage").read_text()) == held  # neither counted the other's bytes twice
+    store = open_store(bounded_url)
+    stats = store.stats()
+    assert 0 < stats["bytes"] <= 20000
+    if bounded_url.startswith("file"):
+        counted = int((Path(urlparse(bounded_url).path) / ".usage").read_text())
+    else:
+        counted = stats["counted_bytes"]
+    assert counted == stats["bytes"]  # neither counted the other's bytes twice, nor missed any
     for writer in (1, 2):  # what is kept is whole
         kept = {i: store.get(hex_key(f"{writer}-{i}")) for i in range(60)}
-        assert all(data in (None, bytes([writer]) * (4000 + 100 * i)) for i, data in kept.items())
+        assert all(data in (None, bytes([writer]) * (1000 + 25 * i)) for i, data in kept.items())
+    store.close()
 
 
 KILLED_MID_EVICTION = """

@@ -3,7 +3,7 @@
 memory://[?capacity=BYTES]     in-process LRU with a byte budget
 file:///path[?capacity=BYTES]  one file per entry, atomic writes, survives restarts; with a
                                capacity an LRU kept by every process writing to it
-redis://host:port[/db]         a shared Redis server
+redis://host:port[/db]         a shared Redis server ([?capacity=BYTES]: an LRU kept on the server)
 valkey://host:port[/db]        a shared Valkey server (same protocol)
 lmcache://…                    LMCache's own storage layer (see hybridkv/store/lmcache_store.py)
 """
@@ -40,7 +40,7 @@ def open_store(url: str) -> Store:
 
         if not parsed.hostname:
             raise HybridKVError(f"store {url!r}: needs a host, e.g. {scheme}://127.0.0.1:6379")
-        return RedisStore(url)
+        return RedisStore(url, capacity_bytes=_capacity(url, parsed.query))
     if scheme == "lmcache":
         from hybridkv.store.lmcache_store import LMCacheStore
 
