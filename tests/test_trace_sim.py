@@ -183,3 +183,10 @@ def test_the_sweep_reports_every_point_and_a_replicated_trace_scales(tmp_path):
     assert double["requests"] == 2 * single["requests"]
     assert double["hit_tokens"] == 2 * single["hit_tokens"]
     assert double["bytes_written"] == 2 * single["bytes_written"]
+    # the headline table names the capacity its "compute saved" column is at: unbounded only when swept
+    from hybridkv.report.trace_report import sweep_tables
+
+    assert sweep_tables(one)[3].startswith("| policy | compute saved, unbounded |")
+    bounded = TraceSimConfig(small, capacities=(1, 3), policies=("hybridkv",), workers=1)
+    header = sweep_tables(run_sweep(bounded, show_progress=False))[3]
+    assert "compute saved, 3 GB" in header and "half its saving at 3 GB" in header and "unbounded" not in header

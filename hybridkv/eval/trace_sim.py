@@ -32,6 +32,7 @@ recomputing at `start` saves the FLOPs of [0, start) of that prompt.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import multiprocessing
@@ -222,7 +223,15 @@ def simulate(
     rule = "value" if policy == "hybridkv-value" else "lru"
     store = PolicyStore(capacity, rule, on_evict)
     point = Point(policy, capacity_gb)
-    run(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log)
+    # the store holds millions of small objects and frees none of them through cycles: the cyclic
+    # collector would only walk them again and again (more than half the time at 10 copies)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        run(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log)
+    finally:
+        if collecting:
+            gc.enable()
     point.bytes_written, point.evicted, point.refused = store.bytes_written, store.evicted, store.refused
     point.seconds = time.perf_counter() - start_time
     return point
@@ -245,7 +254,14 @@ def _requests(trace: Trace, replicate: int, progress):
 def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
     kv, state_bytes, F = sizes.kv_bytes_per_token, sizes.state_bytes, sizes.flops.__getitem__
     head, node_end, lengths, paths = sizes.head_flops, trace.node_end, trace.lengths, trace.paths
-    entries = store.entries
+    entries, use_all, put_chain = store.entries, store.use_all, store.put_chain
+    # per node, what its KV block entry holds and saves, and what its state checkpoint saves
+    depth = [0] * trace.nodes
+    for path in paths:
+        for j, node in enumerate(path):
+            depth[node] = j
+    block_bytes = [(end - j * TRACE_BLOCK) * kv for end, j in zip(node_end, depth, strict=True)]
+    block_saved = [F(end) - F(j * TRACE_BLOCK) for end, j in zip(node_end, depth, strict=True)]
     for tick, (i, offset) in enumerate(_requests(trace, replicate, progress)):
         store.now = tick
         n, path = lengths[i], paths[i]
@@ -253,8 +269,8 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
         point.input_tokens += n
         point.prefill_flops += head + F(n)
         # the longest prefix of held KV blocks
-        matched = 0
-        while matched < len(path) and path[matched] + offset in entries:
+        matched, length = 0, len(path)
+        while matched < length and path[matched] + offset in entries:
             matched += 1
         start, exact, used_state = 0, False, None
         if matched:
@@ -278,25 +294,19 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
                 point.exact_hits += 1
                 point.exact_hit_tokens += hit
                 point.bytes_read += state_bytes
-            for j in range(matched - 1, -1, -1):  # deepest first: ancestors end up no lower
-                store.use(path[j] + offset)
+            # deepest first: ancestors end up no lower
+            use_all([path[j] + offset for j in range(matched - 1, -1, -1)])
             if used_state is not None:
-                store.use(used_state)
+                use_all((used_state,))
         # write what the prompt computed: its blocks, then a checkpoint at its last full block
-        parent = path[matched - 1] + offset if matched else None
-        store.put_chain(
-            [
-                (
-                    path[j] + offset,
-                    KV_BLOCK,
-                    (node_end[path[j]] - j * TRACE_BLOCK) * kv,
-                    F(node_end[path[j]]) - F(j * TRACE_BLOCK),
-                    -j,
-                )
-                for j in range(matched, len(path))
-            ],
-            parent,
-        )
+        if matched < length:
+            put_chain(
+                [
+                    (path[j] + offset, KV_BLOCK, block_bytes[path[j]], block_saved[path[j]], -j)
+                    for j in range(matched, length)
+                ],
+                path[matched - 1] + offset if matched else None,
+            )
         last_full = n // TRACE_BLOCK - 1
         if last_full >= 0 and path[last_full] + offset in entries:
             node = path[last_full]
@@ -313,17 +323,21 @@ def _align(trace, sizes, policy, store, point, align_block, tail, replicate, pro
     kv, state_bytes, F = sizes.kv_bytes_per_token, sizes.state_bytes, sizes.flops.__getitem__
     head, lengths, paths = sizes.head_flops, trace.lengths, trace.paths
     block_bytes = align_block * kv
-    entries = store.entries
+    entries, use_all = store.entries, store.use_all
     marconi, every = policy == "vllm-align-marconi", policy == "vllm-align-every-block"
+    # grid nodes per request: the trace block holding each full align block's end (a KV entry, maybe a
+    # state); an align block that ends inside a trace block needs that whole trace block matched
+    grids = [
+        [path[-(-k * align_block // TRACE_BLOCK) - 1] for k in range(1, n // align_block + 1)]
+        for n, path in zip(lengths, paths, strict=True)
+    ]
     for tick, (i, offset) in enumerate(_requests(trace, replicate, progress)):
         store.now = tick
-        n, path = lengths[i], paths[i]
+        n = lengths[i]
         point.requests += 1
         point.input_tokens += n
         point.prefill_flops += head + F(n)
-        # grid nodes: the trace block holding each full align block's end (a KV entry, maybe a state); an
-        # align block that ends inside a trace block needs that whole trace block matched
-        grid = [path[-(-k * align_block // TRACE_BLOCK) - 1] + offset for k in range(1, n // align_block + 1)]
+        grid = [node + offset for node in grids[i]] if offset else grids[i]
         held = 0
         while held < len(grid) and grid[held] in entries:
             held += 1
@@ -342,9 +356,8 @@ def _align(trace, sizes, policy, store, point, align_block, tail, replicate, pro
             point.saved_flops += F(tokens)
             if hit_log is not None:
                 hit_log.append((tick, tokens, tokens, True))
-            store.use(-grid[hit - 1] - 1)
-        for k in range(held - 1, -1, -1):
-            store.use(grid[k])
+            use_all((-grid[hit - 1] - 1,))
+        use_all([grid[k] for k in range(held - 1, -1, -1)])
         store.put_chain(
             [
                 (grid[k], KV_BLOCK, block_bytes, F((k + 1) * align_block) - F(k * align_block), -k)
