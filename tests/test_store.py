@@ -36,8 +36,10 @@ from hybridkv.cli import main
 from hybridkv.methods import METHODS, Budget, execute
 from hybridkv.models import load_model
 from hybridkv.store import GuardedStore, StoreError, open_store
+from hybridkv.store.base import Worth
 from hybridkv.store.file import FileStore
 from hybridkv.store.memory import MemoryStore
+from hybridkv.store.policy import PolicyStore
 from tests.helpers import lcp
 
 BLOCK = 64  # StoredPrefixCache's default block size
@@ -820,3 +822,114 @@ def test_cli_store_errors_are_one_line(capsys, action, url):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hybridkv: error:"), captured.err
     assert "Traceback" not in captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# A capacity's rule in the store is the simulator's (hybridkv.store.policy.PolicyStore).
+
+
+class _RuleOracle:
+    """What a store of `capacity` under `rule` must keep, in PolicyStore's own bookkeeping: one step
+    of LRU's clock per operation, a write of a held key counted as a use of it, and an entry whose
+    parent is not held refused."""
+
+    def __init__(self, capacity: int, rule: str) -> None:
+        self.policy = PolicyStore(capacity, rule)
+
+    def get_many(self, keys: list[str]) -> None:
+        self.policy.now += 1
+        self.policy.use_all([key for key in keys if key in self.policy])
+
+    def put(self, key: str, nbytes: int, worth: Worth) -> bool:
+        self.policy.now += 1
+        if key in self.policy:  # the test writes a held key again with the same bytes
+            self.policy.use(key)
+            return True
+        if worth.parent is not None and worth.parent not in self.policy:
+            return False
+        return self.policy.put(key, worth.kind, nbytes, worth.saved, worth.parent, rank=key)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def ruled_store(request):
+    """open(rule) -> a store of 30,000 bytes kept by `rule`, in process or on the session's redis."""
+    opened = []
+
+    def open_ruled(rule: str):
+        if request.param == "memory":
+            url = f"memory://?capacity=30000&policy={rule}"
+        else:
+            url = f"{request.getfixturevalue('redis_server').url}/3?capacity=30000&policy={rule}"
+            _wipe(url)
+        opened.append(open_store(url))
+        return opened[-1]
+
+    yield open_ruled
+    for store in opened:
+        store.clear()
+        store.close()
+
+
+@pytest.mark.parametrize("rule", ["lru", "value"])
+def test_a_capacity_keeps_exactly_what_the_simulators_rule_keeps(ruled_store, rule):
+    """Prefix trees of KV blocks and states, written and read at random: after every operation the
+    store holds exactly the keys the simulator's PolicyStore holds, refuses what it refuses, and
+    every kept entry reads back whole; no kept entry's parent is missing."""
+    rng = random.Random(11 if rule == "lru" else 12)
+    store, oracle = ruled_store(rule), _RuleOracle(30000, rule)
+    written: dict[str, tuple[bytes, Worth]] = {}
+    for step in range(400):
+        if written and rng.random() < 0.35:
+            keys = rng.sample(sorted(written), min(len(written), rng.randrange(1, 5)))
+            found = store.get_many(keys)
+            assert [data is not None for data in found] == [key in oracle.policy for key in keys], step
+            oracle.get_many(keys)
+            continue
+        if written and rng.random() < 0.1:  # a prompt written again
+            key = rng.choice(sorted(written))
+            data, worth = written[key]
+        else:
+            key = hex_key(f"entry-{step}")
+            parents = [k for k, (_, w) in written.items() if w.kind == "kv-block"]
+            parent = rng.choice(parents) if parents and rng.random() < 0.7 else None
+            kind = "state" if parent is not None and rng.random() < 0.25 else "kv-block"
+            data = os.urandom(rng.randrange(400, 3000) if kind == "kv-block" else rng.randrange(4000, 9000))
+            worth = Worth(kind, float(rng.randrange(1, 10**6)) * (1 + rng.random()), parent)
+            written[key] = (data, worth)
+        assert store.put(key, data, worth) == oracle.put(key, len(data), worth), step
+        assert store.stats()["entries"] == len(oracle.policy.entries), step
+    held = oracle.policy.entries
+    assert 0 < len(held) < len(written)  # the capacity was reached and the rule chose
+    assert oracle.policy.evicted > 20 and (rule == "lru" or oracle.policy.refused > 0)
+    for key, (data, worth) in written.items():
+        assert (store.get_many([key])[0] == data) if key in held else store.get_many([key])[0] is None
+        assert key not in held or worth.parent is None or worth.parent in held
+    assert sum(store.stats()["evicted"].values()) == oracle.policy.evicted
+
+
+def test_writers_that_disagree_on_a_databases_rule_are_refused_in_one_line(redis_server):
+    base = f"{redis_server.url}/4"
+    _wipe(base)
+    first = open_store(f"{base}?capacity=30000&policy=value")
+    assert first.put(hex_key("a"), b"x" * 100, Worth("kv-block", 5.0))
+    for other in (f"{base}?capacity=30000", f"{base}?capacity=20000&policy=value"):
+        with pytest.raises(StoreError, match="another writer keeps this database as value capacity=30000") as err:
+            open_store(other).put(hex_key("b"), b"y" * 100)
+        assert not err.value.unavailable and "\n" not in str(err.value)
+    assert first.get(hex_key("a")) == b"x" * 100 and first.get(hex_key("b")) is None
+    _wipe(base)
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("file:///tmp/x?capacity=100&policy=value", "keeps its capacity by LRU only"),
+        ("memory://?policy=fifo", "unknown policy 'fifo'"),
+        ("redis://127.0.0.1:1?policy=value", "policy=value needs a capacity"),
+        ("redis://127.0.0.1:1?capacity=100&ttl=0", "ttl must be a positive whole number"),
+        ("lmcache://cpu?capacity=100", "kept by LMCache's own eviction"),
+    ],
+)
+def test_a_capacity_rule_the_store_cannot_keep_is_refused_in_one_line(url, message):
+    with pytest.raises(HybridKVError, match=message):
+        open_store(url)

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Worth:
+    """What a capacity-bound store weighs an entry by (`hybridkv.store.policy`): its `kind`
+    ("kv-block", "state", ...), the prefill compute one use of it saves (`saved`, FLOPs), and the
+    key of the entry it depends on (`parent`: a KV block on the block before it, a state on the
+    block it ends), without which no lookup reaches it. An entry written without one is kind
+    "other", saves nothing and depends on nothing."""
+
+    kind: str = "other"
+    saved: float = 0.0
+    parent: str | None = None
+
+
+NO_WORTH = Worth()
 
 
 class Store(Protocol):
@@ -11,8 +28,10 @@ class Store(Protocol):
     def get(self, key: str) -> bytes | None:
         """The bytes under `key`, or None if absent. Raises StoreError when the backend fails."""
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store `data` under `key`, replacing what was there. Raises StoreError when it cannot."""
+    def put(self, key: str, data: bytes, worth: Worth = NO_WORTH) -> bool:
+        """Store `data` under `key`, replacing what was there; False when a capacity-bound store's
+        rule refuses it (it would evict entries worth more, or its `worth.parent` is not held).
+        Raises StoreError when it cannot."""
 
     def delete(self, key: str) -> None: ...
 

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hybridkv.errors import HybridKVError, StoreError
+from hybridkv.store.base import NO_WORTH, Worth
 
 SUFFIX = ".hkv"
 LOCK, USAGE = ".lock", ".usage"
@@ -63,7 +64,8 @@ class FileStore:
                 self._mark_used(path)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, worth: Worth = NO_WORTH) -> bool:
+        """`worth` is not used: a file store's capacity is an LRU (its entries carry no ledger)."""
         path = self._path(key)
         if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
             raise StoreError(
@@ -88,6 +90,7 @@ class FileStore:
                 raise
         except OSError as err:
             raise StoreError(f"{self.root}: write failed ({err.strerror})") from err
+        return True
 
     def _mark_used(self, path: Path) -> None:
         """Stamp the entry used now, in nanoseconds (the file system's own clock ticks in

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 
 from hybridkv.errors import CorruptEntry, StoreError
-from hybridkv.store.base import Store, get_many
+from hybridkv.store.base import NO_WORTH, Store, Worth, get_many
 from hybridkv.store.codec import Entry, decode
 
 log = logging.getLogger("hybridkv.store")
@@ -65,16 +65,22 @@ class GuardedStore:
         self.counts["misses"] += len(keys) - hits
         return found
 
-    def put(self, key: str, data: bytes) -> bool:
+    def put(self, key: str, data: bytes, worth: Worth = NO_WORTH) -> bool:
+        """Whether `data` is now stored: False when the store is down or failed (counted as an
+        error) or its capacity's rule refused it (counted as `refused`, per kind)."""
         if not self._available("put"):
             self.counts["skipped_while_down"] += 1
             return False
         try:
-            self.inner.put(key, data)
+            admitted = self.inner.put(key, data, worth)
         except (StoreError, OSError) as err:
             self._failed("put_errors", err, "put")
             return False
+        if admitted is False:
+            self.counts[f"refused:{worth.kind}"] += 1
+            return False
         self.counts["puts"] += 1
+        self.counts[f"admitted:{worth.kind}"] += 1
         return True
 
     def delete(self, key: str) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hybridkv.errors import HybridKVError, StoreError
+from hybridkv.store.base import NO_WORTH, Worth
 
 PREFIX = "lmcache://"
 NAMESPACE = "hybridkv"
@@ -129,7 +130,9 @@ class LMCacheStore:
 
     # -- Store interface ---------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, worth: Worth = NO_WORTH) -> bool:
+        """`worth` is not used: LMCache evicts by its own rules."""
+
         def put() -> None:
             lmkey = _key(key)
             if self._valkey is not None:
@@ -156,6 +159,7 @@ class LMCacheStore:
                 buffer.ref_count_down()
 
         self._call(put)
+        return True
 
     def get(self, key: str) -> bytes | None:
         def get() -> bytes | None:

@@ -164,6 +164,17 @@ class PolicyStore:
             up = entry
         return admitted
 
+    def discard(self, key) -> None:
+        """Forget `key` (removed from outside the rule: deleted, found corrupt). Its dependents stay
+        held, depending on nothing a lookup can reach, until the rule evicts them."""
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return
+        self.used -= entry.nbytes
+        if entry.parent is not None:
+            entry.parent.dependents -= 1
+        entry.parent = None
+
     def _make_room(self, nbytes: int, below: float) -> bool:
         victims, freed, heap, entries = [], 0, self._heap, self.entries
         while self.used - freed + nbytes > self.capacity and heap:
