@@ -11,9 +11,10 @@ import torch
 
 from hybridkv.cache.variants import MAX_VARIANTS
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.block_store import BlockStore
+from hybridkv.integrations.vllm.block_store import BlockStore, EntryWorths
 from hybridkv.methods import Budget, PositionsMatch
 from hybridkv.methods.seeded_replay import SeededReplay
+from hybridkv.store.base import NO_WORTH, Worth
 from hybridkv.store.guarded import GuardedStore
 from hybridkv.store.memory import MemoryStore
 from tests.helpers import RoundTripStore
@@ -90,8 +91,8 @@ def test_a_match_ending_where_a_shorter_prompt_ended_resumes_from_its_checkpoint
     P finds both blocks equally long, and takes P's, whose entry records the state at its end."""
     prompt = list(range(5, 45))  # ends inside block 2
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
-    blocks.save_state(prompt, len(prompt), state)
     blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    blocks.save_state(prompt, len(prompt), state)
     extended = prompt + list(range(300, 310))
     blocks.save_blocks(extended, 2, pages_for(extended, first=2))
     resume = blocks.resume(prompt + [999] * 10, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
@@ -105,11 +106,11 @@ def test_a_second_question_on_a_shared_document_resumes_from_the_document_s_chec
     exactly there, from D's state, instead of replaying a tail from zeros."""
     document = list(range(5, 45))  # ends inside block 2
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
-    blocks.save_state(document, len(document), state)
     blocks.save_blocks(document, 0, pages_for(document), state_at=len(document))
+    blocks.save_state(document, len(document), state)
     first = document + [300, 301, 302, 303, 304]
-    blocks.save_state(first, len(first), {"gdn.0": torch.zeros(40, dtype=torch.uint8)})
     blocks.save_blocks(first, 2, pages_for(first, first=2), state_at=len(first))
+    blocks.save_state(first, len(first), {"gdn.0": torch.zeros(40, dtype=torch.uint8)})
     second = document + [300, 301, 999, 998, 997]
     resume = blocks.resume(second, LAYOUT, STATES, SEEDED, Budget(fraction=0.2))
     assert (resume.matched, resume.start, resume.exact) == (42, 40, True)
@@ -123,8 +124,8 @@ def test_a_second_question_on_a_shared_document_resumes_from_the_document_s_chec
 def test_a_checkpoint_at_a_saved_prompts_end_is_found_and_loaded(blocks):
     prompt = list(range(5, 45))
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
-    assert blocks.save_state(prompt, len(prompt), state)
     blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    assert blocks.save_state(prompt, len(prompt), state)
     longer = prompt + [1, 2, 3]
     resume = blocks.resume(longer, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.matched, resume.start) == (40, 40)
@@ -141,13 +142,13 @@ def test_pages_of_a_zero_state_replay_never_pass_for_an_exact_resume(blocks):
     resume says it is not exact; an exactly computed turn says it is."""
     turn2 = list(range(5, 45))
     state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
-    blocks.save_state(turn2, len(turn2), state, exact=False)
     blocks.save_blocks(turn2, 0, pages_for(turn2), state_at=len(turn2), exact=False)
+    blocks.save_state(turn2, len(turn2), state, exact=False)
     resume = blocks.resume(turn2 + [1, 2, 3], LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
     assert (resume.start, resume.exact) == (40, False) and resume.states is not None
     exact = list(range(100, 140))
-    blocks.save_state(exact, len(exact), state)
     blocks.save_blocks(exact, 0, pages_for(exact), state_at=len(exact))
+    blocks.save_state(exact, len(exact), state)
     assert blocks.resume(exact + [1], LAYOUT, STATES, SEEDED, Budget(fraction=0.05)).exact
     # an exact state on inexact blocks is no exact resume either
     mixed = list(range(200, 240))
@@ -485,3 +486,74 @@ def test_a_bench_model_directory_holding_another_bench_model_is_refused(tmp_path
     assert write_servable(path, "grid-640") == path  # the same model: reused as written
     with pytest.raises(HybridKVError, match="holds another model than grid-2048"):
         write_servable(path, "grid-2048")  # its grid would silently be 640, not 2,176
+
+
+class _WorthLog(MemoryStore):
+    """A memory store that records the worth each write carried."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.worths: dict[str, Worth] = {}
+
+    def put(self, key, data, worth=NO_WORTH):
+        self.worths[key] = worth
+        return super().put(key, data, worth)
+
+
+@pytest.mark.parametrize("save_states", ["always", "value"])
+def test_a_saves_entries_carry_their_chain_and_the_compute_they_save(save_states):
+    """Each block depends on the one before it and saves its own tokens' prefill (here a stand-in
+    cost: one per token, squared by position so order matters); the state depends on the block
+    holding its position and saves the whole prefix ("always") or only the tail replay it spares
+    ("value", a 25% budget)."""
+
+    def flops(start: int, end: int) -> float:
+        return float(end * end - start * start)
+
+    tail = None if save_states == "always" else (lambda p: round(0.25 * p))
+    log = _WorthLog()
+    blocks = BlockStore(GuardedStore(log), "ab" * 32, BLOCK, worths=EntryWorths(flops, tail))
+    prompt = list(range(5, 75))  # 70 tokens: blocks 0-3 whole, block 4 partial
+    assert blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=70) == 5
+    assert blocks.save_state(prompt, 70, {"gdn.0": torch.arange(40, dtype=torch.uint8)})
+    keys = blocks.block_keys(prompt)
+    for index, key in enumerate(keys):
+        start, end = index * BLOCK, min((index + 1) * BLOCK, 70)
+        assert log.worths[key] == Worth("kv-block", flops(start, end), keys[index - 1] if index else None)
+    state = log.worths[blocks.state_key(prompt, 70)]
+    assert (state.kind, state.parent) == ("state", keys[4])
+    assert state.saved == (flops(0, 70) if save_states == "always" else flops(70 - 18, 70))
+    # a later turn saves from block 4 on: its first block depends on the stored block 3
+    longer = prompt + list(range(500, 540))
+    assert blocks.save_blocks(longer, 4, pages_for(longer, first=4)) == 3
+    assert log.worths[blocks.block_keys(longer)[4]].parent == keys[3]
+
+
+def test_under_a_value_kept_capacity_every_stored_block_is_reachable_and_loads_its_own_pages():
+    """Conversations with shared system prompts written into a store too small for them, kept by
+    value: the rule evicts leaves first, so every block held has its parent held, a refused block
+    stops its prompt's save, and every resume loads exactly the pages stored for its tokens."""
+    rng = random.Random(5)
+    store = MemoryStore(40_000, rule="value")
+    blocks = BlockStore(GuardedStore(store), "ab" * 32, BLOCK, worths=EntryWorths(lambda s, e: float(e * e - s * s)))
+    systems = [[rng.randrange(1000, 2000) for _ in range(rng.randrange(20, 60))] for _ in range(4)]
+    prompts = []
+    for turn in range(60):
+        base = rng.choice(prompts) if prompts and rng.random() < 0.5 else rng.choice(systems)
+        prompt = base + [rng.randrange(2000, 3000) for _ in range(rng.randrange(5, 40))]
+        found = blocks.match(prompt + [1], LAYOUT).length
+        first = found // BLOCK
+        blocks.save_blocks(prompt, first, pages_for(prompt, first=first), state_at=len(prompt))
+        blocks.save_state(prompt, len(prompt), {"gdn.0": torch.full((40,), turn % 256, dtype=torch.uint8)})
+        prompts.append(prompt)
+    assert store.evictions > 10 and store.stats()["bytes"] <= 40_000
+    for prompt in prompts:  # what each prompt still has stored is a prefix of its blocks
+        held = [store.get(key) is not None for key in blocks.block_keys(prompt)]
+        assert held == sorted(held, reverse=True)
+    for prompt in prompts:
+        resume = blocks.resume(prompt + [7], LAYOUT, STATES, SEEDED, Budget(fraction=0.25))
+        want = pages_for(prompt)
+        assert all(
+            torch.equal(got[name], want[i][name][: got[name].numel()]) for i, got in enumerate(resume.blocks)
+            for name in LAYOUT
+        )  # fmt: skip

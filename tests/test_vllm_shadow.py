@@ -221,9 +221,24 @@ def test_a_misspelt_connector_setting_is_refused_and_every_known_one_is_read():
     assert set(valid) == SETTINGS
     config = ConnectorConfig.parse(valid, "model")
     assert (config.replay_budget.fraction, config.replay_horizon, config.save_states, config.max_held_bytes) == (
-        0.2, 64, False, 8 * 2**20,
+        0.2, 64, "never", 8 * 2**20,
     )  # fmt: skip
     assert config.method.name == "adaptive-replay" and ConnectorConfig.parse({}, "model").method.name == "seeded-replay"
+
+
+def test_save_states_is_a_policy_and_value_needs_a_store_kept_by_value():
+    parse = ConnectorConfig.parse
+    assert [parse({"save_states": v}, "m").save_states for v in (True, False, "always", "never")] == [
+        "always", "never", "always", "never",
+    ]  # fmt: skip
+    assert parse({}, "m").save_states == "always"
+    kept = "redis://127.0.0.1:6379?capacity=1000000&policy=value"
+    assert parse({"save_states": "value", "store": kept}, "m").save_states == "value"
+    for store in ("file:///tmp/x?capacity=1000", "redis://127.0.0.1:6379?capacity=1000"):
+        with pytest.raises(HybridKVError, match=r"^save_states 'value' needs a store kept by value"):
+            parse({"save_states": "value", "store": store}, "m")
+    with pytest.raises(HybridKVError, match=r"^save_states 'sometimes': one of always, never, value"):
+        parse({"save_states": "sometimes"}, "m")
 
 
 def test_a_method_vllm_cannot_run_is_refused_at_start_and_a_requests_own_falls_back(monkeypatch):

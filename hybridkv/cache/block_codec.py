@@ -17,6 +17,7 @@ import torch
 
 from hybridkv.cache.keys import PrefixKeys, kv_block_key, state_key
 from hybridkv.cache.prefix_walk import PrefixWalk
+from hybridkv.store.base import NO_WORTH, Worth
 from hybridkv.store.codec import Entry, encode
 from hybridkv.store.guarded import GuardedStore
 
@@ -42,7 +43,7 @@ class BlockCodec:
 
     def put_block(
         self, keys: PrefixKeys, chain: list[bytes], tokens: Sequence[int] | torch.Tensor, index: int,
-        tensors: dict[str, torch.Tensor], meta: dict,
+        tensors: dict[str, torch.Tensor], meta: dict, worth: Worth = NO_WORTH,
     ) -> bool:  # fmt: skip
         """Store block `index` of the prompt `tokens` (its chain under `keys`: `chain`) holding
         `tensors`, with `meta` beside its start and tokens; list it in its slot once stored."""
@@ -50,7 +51,7 @@ class BlockCodec:
         block_tokens = [int(t) for t in tokens[start : start + keys.block_tokens]]
         key = self.block_key(keys, tokens, index, chain)
         entry = Entry(self.kind, self.fingerprint, key, {"start": start, "tokens": block_tokens, **meta}, tensors)
-        if not self.store.put(key, encode(entry)):
+        if not self.store.put(key, encode(entry), worth):
             return False
         self.walk.list_block(chain[index], block_tokens)
         return True
@@ -60,12 +61,12 @@ class BlockCodec:
 
     def put_state(
         self, keys: PrefixKeys, tokens, position: int, tensors: dict[str, torch.Tensor], meta: dict | None = None,
-        chain: list[bytes] | None = None,
+        chain: list[bytes] | None = None, worth: Worth = NO_WORTH,
     ) -> bool:  # fmt: skip
         """Store the checkpoint at `position` of the prompt `tokens`."""
         key = self.state_key(keys, tokens, position, chain)
         entry = Entry(self.state_kind, self.fingerprint, key, {"position": position, **(meta or {})}, tensors)
-        return self.store.put(key, encode(entry))
+        return self.store.put(key, encode(entry), worth)
 
     def read(self, key: str, kind: str) -> Entry | None:
         """The verified entry of `kind` under `key` (None: missing, or bad and reported)."""

@@ -145,6 +145,17 @@ class FileStore:
         spare.write_text(str(held))
         spare.replace(self.root / USAGE)
 
+    def held_bytes(self) -> int | None:
+        """The bytes the capacity counts as held (an estimate from above; None: no capacity)."""
+        if self.capacity_bytes is None:
+            return None
+        try:
+            return int((self.root / USAGE).read_text() or 0)
+        except FileNotFoundError:
+            return 0
+        except ValueError:
+            return None
+
     def delete(self, key: str) -> None:
         try:
             self._path(key).unlink(missing_ok=True)

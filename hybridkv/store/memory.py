@@ -35,9 +35,13 @@ class MemoryStore:
         self._policy.now += 1  # lru's clock: one step per operation
 
     def get(self, key: str) -> bytes | None:
-        return self.get_many([key])[0]
+        return self._read([key])[0]
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._read(keys)
+
+    def _read(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' bytes (None: absent), each one found used now."""
         self._tick()
         found = [self._entries.get(key) for key in keys]
         self._policy.use_all([key for key, data in zip(keys, found, strict=True) if data is not None])
@@ -67,6 +71,9 @@ class MemoryStore:
     def delete(self, key: str) -> None:
         self._policy.discard(key)
         self._entries.pop(key, None)
+
+    def held_bytes(self) -> int:
+        return self._policy.used
 
     @property
     def evictions(self) -> int:

@@ -15,6 +15,7 @@ just shortens the match.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,8 +28,10 @@ from hybridkv.cache.block_codec import BlockCodec
 from hybridkv.cache.keys import PrefixKeys, checkpoint_fingerprint
 from hybridkv.errors import CorruptEntry, HybridKVError
 from hybridkv.methods import Budget, PositionsMatch, RecoveryMethod
+from hybridkv.store.base import Worth
 from hybridkv.store.codec import Entry
 from hybridkv.store.guarded import GuardedStore
+from hybridkv.store.policy import KV_BLOCK, STATE
 
 Pages = dict[str, torch.Tensor]  # layer name -> one block's (or state slot's) raw bytes, uint8
 Layout = dict[str, int | None]  # layer name -> its page's bytes (None: not known on this side)
@@ -42,6 +45,30 @@ class PageMatch:
     blocks: list[Pages] = field(default_factory=list)  # pages of the blocks covering [0, length)
     checkpoints: list[int] = field(default_factory=list)  # positions ≤ length where a state may be stored
     exact: list[bool] = field(default_factory=list)  # per block: computed exactly (see BlockStore)
+
+
+def token_count(start: int, end: int) -> float:
+    """A stand-in cost model: every token costs one (where the model's own cannot be built)."""
+    return float(end - start)
+
+
+@dataclass(frozen=True)
+class EntryWorths:
+    """What each entry a save writes is worth to a store whose capacity is kept by value
+    (`hybridkv.store.base.Worth`), as `hybridkv trace-sim`'s hybridkv-value weighs it: a KV block
+    the prefill compute of its tokens after those before it; a state at p either the whole prefill
+    of [0, p) it restores (`tail` None: `save_states` "always") or only the tail replay it spares,
+    the compute of [p − tail(p), p) ("value")."""
+
+    prefill_flops: Callable[[int, int], float] = token_count  # FLOPs of [start, end) after [0, start)
+    tail: Callable[[int], int] | None = None
+
+    def block(self, start: int, end: int, parent: str | None) -> Worth:
+        return Worth(KV_BLOCK, self.prefill_flops(start, end), parent)
+
+    def state(self, position: int, parent: str | None) -> Worth:
+        spared = position if self.tail is None else self.tail(position)
+        return Worth(STATE, self.prefill_flops(position - spared, position), parent)
 
 
 @dataclass(frozen=True)
@@ -80,8 +107,12 @@ class BlockStore:
     approximately; what it saves is marked inexact, and a resume that loads anything inexact is
     reported as such, so an approximation never passes for an exact checkpoint turns later."""
 
-    def __init__(self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "") -> None:
+    def __init__(
+        self, store: GuardedStore, fingerprint: str, block_size: int, salt: str = "",
+        worths: EntryWorths = EntryWorths(),
+    ) -> None:  # fmt: skip
         self.store = store
+        self.worths = worths
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.salt = salt
@@ -113,23 +144,32 @@ class BlockStore:
     ) -> int:  # fmt: skip
         """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
         stored at that position (inside the last block); `exact`: whether the prompt was computed
-        exactly. Returns how many writes succeeded."""
+        exactly. Each block depends on the one before it. Returns how many writes succeeded."""
         keys = self.keys(salt)
         chain = keys.chain(tokens)
         written = 0
+        parent = self._codec.block_key(keys, tokens, first - 1, chain) if first else None
         for index, block in enumerate(pages, start=first):
             start = index * self.block_size
             end = min(start + self.block_size, len(tokens))
             meta: dict = {"exact": exact}
             if state_at is not None and start < state_at <= end:
                 meta["checkpoint"] = state_at
-            written += self._codec.put_block(keys, chain, tokens, index, block, meta)
+            worth = self.worths.block(start, end, parent)
+            if not self._codec.put_block(keys, chain, tokens, index, block, meta, worth):
+                break  # a later block would depend on one not stored: no lookup reaches it
+            written += 1
+            parent = self._codec.block_key(keys, tokens, index, chain)
         return written
 
     def save_state(
         self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
     ) -> bool:
-        return self._codec.put_state(self.keys(salt), tokens, position, pages, {"exact": exact})
+        """Store the state checkpoint at `position`; it depends on the block holding that position."""
+        keys = self.keys(salt)
+        parent = self._codec.block_key(keys, tokens[:position], (position - 1) // self.block_size)
+        worth = self.worths.state(position, parent)
+        return self._codec.put_state(keys, tokens, position, pages, {"exact": exact}, worth=worth)
 
     # -- reading -----------------------------------------------------------------------------
 

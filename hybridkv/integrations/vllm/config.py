@@ -50,9 +50,14 @@ def _method(value, key: str, model: str) -> RecoveryMethod:
     return engine_method(value)
 
 
-def _flag(value, key: str, model: str) -> bool:
-    if not isinstance(value, bool):  # bool("false") would be True
-        raise HybridKVError(f"{key} {value!r}: true or false")
+SAVE_STATES = ("always", "never", "value")
+
+
+def _save_states(value, key: str, model: str) -> str:
+    if isinstance(value, bool):  # the setting's earlier form
+        return "always" if value else "never"
+    if value not in SAVE_STATES:
+        raise HybridKVError(f"{key} {value!r}: one of {', '.join(SAVE_STATES)} (or true / false)")
     return value
 
 
@@ -154,9 +159,14 @@ class ConnectorConfig:
     # `cache_salt`: the engine's namespace; vLLM's per-request `cache_salt` opens a namespace inside
     # it, so two tenants never share a page. Default "" (none)
     cache_salt: str = setting(_text, default="")
-    # `save_states`: store each saved prompt's final linear states (an exact checkpoint at its
-    # end); default true
-    save_states: bool = setting(_flag, default=True)
+    # `save_states`: which saved prompts' final linear states (an exact checkpoint at the prompt's
+    # end) are written, and what the store's capacity weighs them by (`block_store.Worth`):
+    # "always" (the default; true): every one, worth the whole prefix's prefill it restores;
+    # "never" (false): none, hits resume by tail replay; "value": every one, worth only the tail
+    # replay it spares (what `hybridkv trace-sim`'s hybridkv-value counts), so a store kept by
+    # `policy=value` admits a state only where that saves more compute per byte than what it evicts.
+    # "value" needs such a store
+    save_states: str = setting(_save_states, default="always")
     # `max_held_mib`, in bytes: verified pages held in memory for requests not yet admitted; past
     # it, new lookups wait. Default 1024 MiB
     max_held_bytes: int = setting(_mib, key="max_held_mib", default=1024 * 2**20)
@@ -199,6 +209,10 @@ class ConnectorConfig:
             if key in extra:
                 values[f.name] = f.metadata["read"](extra[key], key, model)
         config = cls(**values)
+        if config.save_states == "value" and "policy=value" not in config.store:
+            raise HybridKVError(
+                f"save_states 'value' needs a store kept by value (?capacity=BYTES&policy=value), not {config.store!r}"
+            )
         if config.shadow_floor is not None and config.shadow_rate == 0:
             raise HybridKVError(
                 f"shadow_floor {config.shadow_floor!r} needs shadow_rate > 0: the floor reads the checks"

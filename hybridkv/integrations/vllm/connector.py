@@ -51,17 +51,44 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybridkv.errors import HybridKVError
-from hybridkv.integrations.vllm.block_store import BlockStore, engine_fingerprint
+from hybridkv.integrations.vllm.block_store import BlockStore, EntryWorths, engine_fingerprint, token_count
 from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.layout import classify_groups
 from hybridkv.integrations.vllm.metadata import HybridKVWorkerMetadata
 from hybridkv.integrations.vllm.metrics import HybridKVPromMetrics, HybridKVStats
 from hybridkv.integrations.vllm.scheduler_side import SchedulerSide
 from hybridkv.integrations.vllm.worker_side import WorkerSide
+from hybridkv.models.meta import cost_model
 from hybridkv.store import open_store
 from hybridkv.store.guarded import GuardedStore
 
 log = logging.getLogger("hybridkv.vllm")
+
+
+def entry_worths(config: ConnectorConfig, hf_config) -> EntryWorths:
+    """What the worker's saves are worth to a store kept by value: prefill FLOPs from the served
+    model's own cost model (`hybridkv.models.meta.cost_model`; tokens where it cannot be built), and
+    for `save_states` "value" the tail a zero-state resume would replay instead."""
+    try:
+        costs = cost_model(hf_config)
+    except Exception as error:  # an architecture only vLLM knows: every token costs the same
+        log.warning("hybridkv: no cost model for %s (%s); entries are worth their token counts",
+                    type(hf_config).__name__, error)  # fmt: skip
+        flops = token_count
+    else:
+
+        def flops(start: int, end: int) -> float:
+            return costs.prefill_flops(start, end) - costs.head_flops if end > start else 0.0
+
+    if config.save_states != "value":
+        return EntryWorths(flops)
+    horizon = config.replay_horizon
+
+    def tail(position: int) -> int:
+        tokens = config.replay_budget.tail_tokens(position)
+        return tokens if horizon is None else min(tokens, horizon)
+
+    return EntryWorths(flops, tail)
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -94,7 +121,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = classify_groups(kv_cache_config)
         download_dir = vllm_config.load_config.download_dir  # where vLLM fetched a model named by its repository
         fingerprint = engine_fingerprint(model.model, groups.layout, str(model.dtype), model.revision, download_dir)
-        blocks = BlockStore(GuardedStore(open_store(config.store)), fingerprint, groups.block_size, config.cache_salt)
+        worths = entry_worths(config, model.hf_config) if role == KVConnectorRole.WORKER else EntryWorths()
+        store = GuardedStore(open_store(config.store))
+        blocks = BlockStore(store, fingerprint, groups.block_size, config.cache_salt, worths)
         self._side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
             max_num_seqs = vllm_config.scheduler_config.max_num_seqs

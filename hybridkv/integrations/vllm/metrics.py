@@ -26,6 +26,14 @@ COUNTERS = {
     "tokens_reused": "Prompt tokens loaded from the store instead of computed.",
     "tokens_replayed": "Matched prompt tokens recomputed anyway (the tail replay).",
     "store_errors": "Store operations that failed (down, timed out, full) or returned a corrupt entry.",
+    # A store with a capacity (`?capacity=BYTES&policy=`): what its rule admitted, refused and evicted
+    "kv_blocks_admitted": "KV blocks the store took.",
+    "states_admitted": "Linear-state checkpoints the store took.",
+    "kv_blocks_refused": "KV blocks the store's capacity refused (worth less than what they would evict, or "
+    "their parent block gone).",
+    "states_refused": "Linear-state checkpoints the store's capacity refused.",
+    "kv_blocks_evicted": "KV blocks this engine's writes evicted to make room.",
+    "states_evicted": "Linear-state checkpoints this engine's writes evicted to make room.",
     # Where the connector's time goes. Hooks run on the engine loop, and wait there a little for a
     # lookup (a hit then loads in the same step); copies move pages between
     # vLLM's cache and the connector; lookups (key hashing, store reads, checksums) run on a
@@ -57,6 +65,12 @@ SHADOW_KL_BUCKETS = tuple(10.0**e for e in range(-9, 2))
 # The first diverging answer position (0: the first token), per kind.
 DIVERGENCE_POSITION_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STORE_ERROR_KINDS = ("get_errors", "put_errors", "delete_errors", "corrupt", "skipped_while_down")
+# Counters read off the store's own counts (`GuardedStore.counts`, the backend's `evicted` by kind)
+STORE_COUNTS = {
+    "kv_blocks_admitted": "admitted:kv-block", "states_admitted": "admitted:state",
+    "kv_blocks_refused": "refused:kv-block", "states_refused": "refused:state",
+    "kv_blocks_evicted": "evicted:kv-block", "states_evicted": "evicted:state",
+}  # fmt: skip
 
 
 @dataclass
@@ -106,7 +120,7 @@ class HybridKVStats(KVConnectorStats):
 
     def set_gauges(self, guard) -> None:
         """The shadow guard's state (`shadow.ShadowGuard`), sent with these figures."""
-        self.data["gauges"] = {"shadow_rung": guard.effective_rung, "shadow_unavailable": int(guard.unavailable)}
+        self.data["gauges"].update(shadow_rung=guard.effective_rung, shadow_unavailable=int(guard.unavailable))
 
     def aggregate(self, other: KVConnectorStats) -> HybridKVStats:
         for name, value in other.data.get("counters", {}).items():
@@ -140,6 +154,7 @@ class HybridKVStats(KVConnectorStats):
             and not self.data["replay_tokens"]
             and not self.data.get("shadow_kl")
             and not self.data.get("shadow_answers")
+            and not self.data.get("gauges")
         )
 
 
@@ -202,6 +217,9 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
             ),
             "shadow_unavailable": gauge(
                 "shadow_unavailable", "1 while shadow checks are not being made (dropped or failed).", labelnames
+            ),
+            "store_bytes_held": gauge(
+                "store_bytes_held", "Bytes a capacity-bound store counts as held (all its writers').", labelnames
             ),
         }  # fmt: skip
         self._tallies: dict[int, dict[str, list[int]]] = {}  # engine -> kind -> [checks, divergences]

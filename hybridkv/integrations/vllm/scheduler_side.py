@@ -214,7 +214,7 @@ class SchedulerSide(ConnectorSide):
         sources = {
             group: ids
             for kind in self.kinds
-            for group, ids in kind.save_sources(tracked.block_ids, blocks, self.config.save_states).items()
+            for group, ids in kind.save_sources(tracked.block_ids, blocks, self.config.save_states != "never").items()
         }
         meta.saves.append(SaveOp(req_id, tracked.tokens, tracked.first_block, sources, tracked.salt, tracked.exact))
 

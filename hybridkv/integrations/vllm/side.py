@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hybridkv.errors import StoreError
 from hybridkv.integrations.vllm.block_store import BlockStore, Layout
 from hybridkv.integrations.vllm.config import ConnectorConfig
 from hybridkv.integrations.vllm.group_kinds import AttentionBlocks, RingBlocks, StateSlots
 from hybridkv.integrations.vllm.layout import CacheGroups
-from hybridkv.integrations.vllm.metrics import STORE_ERROR_KINDS, HybridKVStats
+from hybridkv.integrations.vllm.metrics import STORE_COUNTS, STORE_ERROR_KINDS, HybridKVStats
 
 log = logging.getLogger("hybridkv.vllm")
 
@@ -34,7 +35,8 @@ class ConnectorSide:
         self.blocks = blocks
         self._stats = HybridKVStats()
         self._stats_lock = threading.Lock()  # the lookup and writer threads count too
-        self._store_errors_seen = 0
+        self._store_counts_seen: dict[str, int] = {}
+        self._held_read_at = 0.0
 
     def _layouts(self) -> tuple[Layout, Layout]:
         """Bytes of each attention layer's block and each linear layer's state, without padding
@@ -54,12 +56,37 @@ class ConnectorSide:
         with self._stats_lock:
             self._stats.count(name, value)
 
+    def _store_counts(self) -> dict[str, int]:
+        """The connector's counters its store counts, as totals so far."""
+        store = self.blocks.store
+        counts = store.stats()
+        evicted = getattr(store.inner, "evicted", {})
+        totals = {"store_errors": sum(counts.get(kind, 0) for kind in STORE_ERROR_KINDS)}
+        for name, key in STORE_COUNTS.items():
+            source, _, kind = key.partition(":")
+            totals[name] = evicted.get(kind, 0) if source == "evicted" else counts.get(key, 0)
+        return totals
+
+    def _bytes_held(self) -> int | None:
+        """What a capacity-bound store counts as held, read at most once a second (None: not now)."""
+        held = getattr(self.blocks.store.inner, "held_bytes", None)
+        if held is None or time.monotonic() - self._held_read_at < 1.0:
+            return None
+        self._held_read_at = time.monotonic()
+        try:
+            return held()
+        except (StoreError, OSError):  # a store that is down: the gauge waits for the next read
+            return None
+
     def get_kv_connector_stats(self) -> HybridKVStats | None:
-        counts = self.blocks.store.stats()
-        errors = sum(counts.get(kind, 0) for kind in STORE_ERROR_KINDS)
+        totals, held = self._store_counts(), self._bytes_held()
         with self._stats_lock:
-            self._stats.count("store_errors", errors - self._store_errors_seen)
-            self._store_errors_seen = errors
+            for name, total in totals.items():
+                if total != self._store_counts_seen.get(name, 0):
+                    self._stats.count(name, total - self._store_counts_seen.get(name, 0))
+                    self._store_counts_seen[name] = total
+            if held is not None:
+                self._stats.data["gauges"]["store_bytes_held"] = held
             if self._stats.is_empty():
                 return None
             stats, self._stats = self._stats, HybridKVStats()

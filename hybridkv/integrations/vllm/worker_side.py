@@ -117,10 +117,12 @@ class WorkerSide(ConnectorSide):
         def write() -> None:
             began = time.perf_counter()
             try:
-                state_at = None
-                if states and self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt, save.exact):
-                    state_at = len(save.tokens)
+                # blocks first: the state depends on its block (a capacity refuses it without). A block
+                # that marks a checkpoint the store then refused is a miss there, never a wrong state.
+                state_at = len(save.tokens) if states else None
                 self.blocks.save_blocks(save.tokens, save.first_block, pages, state_at, save.salt, save.exact)
+                if states:
+                    self.blocks.save_state(save.tokens, len(save.tokens), states, save.salt, save.exact)
             finally:
                 self._count("write_seconds", time.perf_counter() - began)
                 self._save_done(save.req_id)
