@@ -255,3 +255,73 @@ def test_shadow_checks_every_kind_and_the_first_token_of_zero_state_resumes_only
     excess = shadowed['vllm:hybridkv_shadow_excess{kind="zero@0tok"}']
     assert shadowed['vllm:hybridkv_shadow_excess_low{kind="zero@0tok"}'] <= excess
     assert excess <= shadowed['vllm:hybridkv_shadow_excess_high{kind="zero@0tok"}']
+
+
+def _ledger(url: str) -> tuple[int, int, dict[str, dict]]:
+    """A capacity-bound redis store's bytes counted, bytes its entries hold, and each entry's ledger."""
+    import redis
+
+    from hybridkv.store.redis_store import META, NAMESPACE, USED
+
+    client = redis.Redis.from_url(url.partition("?")[0])
+    held = sum(client.strlen(key) for key in client.scan_iter(match=NAMESPACE + "*"))
+    metas = {
+        key.decode()[len(META) :]: {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        for key in client.scan_iter(match=META + "*")
+    }
+    return int(client.get(USED) or 0), held, metas
+
+
+def test_a_store_kept_by_value_under_vllm_serve_stays_in_its_capacity_and_counts_what_it_did(
+    production, redis_server, tmp_path
+):
+    """`save_states` "value" on a redis store of about three prompts' bytes, kept by value. One
+    prompt's entries are measured on an unbounded database first; then eight prompts go through a
+    bounded one: the store evicts or refuses, never exceeds its capacity, its ledger counts exactly
+    the bytes its entries hold, every KV block or state held has its parent held, and the server's
+    Prometheus counters and gauge say the same."""
+    import asyncio
+    import random
+
+    from hybridkv.serving.server import run_sessions
+
+    rng = random.Random(23)
+    prompts = [[[rng.randrange(3, 500) for _ in range(rng.randint(600, 900))]] for _ in range(9)]
+    settings = {"save_states": "value"}
+    probe = f"{redis_server.url}/6?capacity={10**12}&policy=value"
+    spec = ServerSpec(str(production), "hybridkv", 4096, probe, connector_settings=settings)
+    with Server(spec, tmp_path / "probe.log") as server:
+        asyncio.run(run_sessions(server.url, spec.model, prompts[:1], 1, 2))
+        asyncio.run(asyncio.sleep(2.0))  # the worker writes just after answering
+    one_prompt, _, _ = _ledger(probe)
+    assert one_prompt > 0
+    capacity = int(3.5 * one_prompt)
+    bounded = f"{redis_server.url}/7?capacity={capacity}&policy=value"
+    spec = ServerSpec(str(production), "hybridkv", 4096, bounded, connector_settings=settings)
+    with Server(spec, tmp_path / "bounded.log") as server:
+        for prompt in prompts[1:]:
+            asyncio.run(run_sessions(server.url, spec.model, [prompt], 1, 2))
+            asyncio.run(asyncio.sleep(0.5))
+        asyncio.run(asyncio.sleep(2.0))
+        counted, held, metas = _ledger(bounded)
+        assert counted == held <= capacity
+        assert all(m["parent"] == "" or m["parent"] in metas for m in metas.values())
+        assert {m["kind"] for m in metas.values()} >= {"kv-block"}
+        admitted = _metric(server, "vllm:hybridkv_kv_blocks_admitted_total", 8)
+        assert admitted >= 8 and _metric(server, "vllm:hybridkv_states_admitted_total", 1) >= 1
+        turned_away = sum(
+            _metric(server, f"vllm:hybridkv_{name}_total")
+            for name in ("kv_blocks_evicted", "states_evicted", "kv_blocks_refused", "states_refused")
+        )
+        assert turned_away > 0  # eight prompts' entries do not fit in three and a half
+        assert 0 < _metric(server, "vllm:hybridkv_store_bytes_held", 1) <= capacity
+    for db in (probe, bounded):
+        _wipe_redis(db)
+
+
+def _wipe_redis(url: str) -> None:
+    from hybridkv.store import open_store
+
+    store = open_store(url)
+    store.clear()
+    store.close()
