@@ -190,3 +190,26 @@ def test_the_sweep_reports_every_point_and_a_replicated_trace_scales(tmp_path):
     bounded = TraceSimConfig(small, capacities=(1, 3), policies=("hybridkv",), workers=1)
     header = sweep_tables(run_sweep(bounded, show_progress=False))[3]
     assert "compute saved, 3 GB" in header and "half its saving at 3 GB" in header and "unbounded" not in header
+
+
+def test_what_a_prompt_computed_after_an_approximate_start_never_makes_a_hit_exact(tmp_path):
+    """r1 resumes r0's first block from a zero state, so its block 3 and its state are approximate;
+    r2 resumes from that state (seeded, yet not exact); r3 from r0's exact one; r4 repeats r1 (a
+    zero-state tail again), whose approximate state does not replace anything; r5 still seeds from
+    r1's approximate state."""
+    rows = [
+        {"input_length": 1024, "hash_ids": [1, 2]},
+        {"input_length": 1024, "hash_ids": [1, 3]},
+        {"input_length": 1536, "hash_ids": [1, 3, 4]},
+        {"input_length": 1536, "hash_ids": [1, 2, 5]},
+        {"input_length": 1024, "hash_ids": [1, 3]},
+        {"input_length": 1536, "hash_ids": [1, 3, 6]},
+    ]
+    trace = read_trace(_write(tmp_path / "t.jsonl", rows))
+    log: list = []
+    point = simulate(trace, _linear_sizes(trace), "hybridkv", math.inf, tail=0.05, hit_log=log)
+    assert log == [
+        (1, 512, 486, False), (2, 1024, 1024, False), (3, 1024, 1024, True), (4, 1023, 972, False),
+        (5, 1024, 1024, False),
+    ]  # fmt: skip
+    assert (point.exact_hits, point.exact_hit_tokens) == (1, 1024)

@@ -557,3 +557,24 @@ def test_under_a_value_kept_capacity_every_stored_block_is_reachable_and_loads_i
             torch.equal(got[name], want[i][name][: got[name].numel()]) for i, got in enumerate(resume.blocks)
             for name in LAYOUT
         )  # fmt: skip
+
+
+def test_an_approximate_save_never_replaces_the_exact_entries_its_match_read(blocks):
+    """A prompt stored exactly, then sent again and resumed from a zero state (one token is always
+    left to compute): its save, approximate, leaves the stored block and state as they were."""
+    prompt = list(range(5, 5 + 3 * BLOCK))  # three whole blocks
+    state = {"gdn.0": torch.arange(40, dtype=torch.uint8)}
+    blocks.save_blocks(prompt, 0, pages_for(prompt), state_at=len(prompt))
+    assert blocks.save_state(prompt, len(prompt), state)
+    again = blocks.resume(prompt, LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
+    assert (again.matched, again.states, again.exact) == (len(prompt) - 1, None, False)
+    other = {"gdn.0": torch.full((40,), 99, dtype=torch.uint8)}
+    first = again.matched // BLOCK  # the block the match ended in, as the connector saves
+    changed = [{name: page ^ 0xFF for name, page in block.items()} for block in pages_for(prompt, first=first)]
+    assert blocks.save_blocks(prompt, first, changed, state_at=len(prompt), exact=False) == 0
+    assert not blocks.save_state(prompt, len(prompt), other, exact=False)
+    resume = blocks.resume(prompt + [7], LAYOUT, STATES, SEEDED, Budget(fraction=0.05))
+    assert resume.exact and torch.equal(resume.states["gdn.0"], state["gdn.0"])
+    assert torch.equal(resume.blocks[-1]["attn.0"], pages_for(prompt)[-1]["attn.0"])
+    # an exact save does write again (a use; the same bytes)
+    assert blocks.save_state(prompt, len(prompt), state)

@@ -17,11 +17,14 @@ Policies (`POLICIES`):
   is also kept at the end of those KV blocks (the branch point, on the grid).
 - `vllm-align-every-block`: a state at every block boundary of every prompt (the upper bound of
   align mode; the issue's quick count).
-- `hybridkv`: token-level KV (the trace's 512-token blocks, the partial last one too), an exact
-  state checkpoint at each prompt's last full-block boundary (where its next turn's match ends).
-  A hit is the longest prefix of held blocks, L tokens; it resumes exactly from a checkpoint held in
-  [L − tail, L] (seeded replay), else replays the last `tail × L` tokens from a zero state
-  (tail-replay: approximate). LRU eviction.
+- `hybridkv`: token-level KV (the trace's 512-token blocks, the partial last one too), a state
+  checkpoint at each prompt's last full-block boundary (where its next turn's match ends). A hit is
+  the longest prefix of held blocks, L tokens; it resumes from a checkpoint held in [L − tail, L]
+  (seeded replay), else replays the last `tail × L` tokens from a zero state (tail-replay:
+  approximate). What a prompt computed after an approximate start (its later blocks, its state) is
+  approximate too, as the connector marks it: a hit is exact only from an exact state on exact
+  blocks. A prompt's exact state written again replaces the held one (a use); an approximate one
+  never replaces anything. LRU eviction.
 - `hybridkv-value`: the same hits; admission and eviction by compute saved per byte held
   (`hybridkv.store.policy`, rule `value`): a KV block saves its tokens' prefill FLOPs, a state the
   FLOPs of the tail replay it makes unnecessary (and it makes the hit exact).
@@ -45,7 +48,7 @@ from hybridkv.eval.plan import GLM_5_3_FLASH, load_config
 from hybridkv.models.meta import cache_sizes, cost_model
 from hybridkv.store.policy import KV_BLOCK, STATE, PolicyStore
 
-TRACE_BLOCK = 512  # tokens per hash block in Mooncake's traces
+TRACE_BLOCK = 512  # tokens per hash block in Mooncake's traces (a scaled copy may have others)
 POLICIES = ("vllm-align", "vllm-align-marconi", "vllm-align-every-block", "hybridkv", "hybridkv-value")
 GB = 1e9
 
@@ -66,6 +69,10 @@ class TraceSimConfig:
         default=3584, metadata={"help": "vLLM align mode's block in tokens (GLM-5.3-Flash: 3,584)"}
     )
     tail: float = field(default=0.05, metadata={"help": "hybridkv's replay tail, a fraction of the matched prefix"})
+    block_tokens: int = field(
+        default=TRACE_BLOCK,
+        metadata={"help": "tokens per hash block (Mooncake's 512; a scaled copy, e.g. trace-replay's, fewer)"},
+    )
     replicate: int = field(
         default=1,
         metadata={
@@ -76,6 +83,8 @@ class TraceSimConfig:
     workers: int = field(default=2, metadata={"help": "processes running sweep points side by side"})
 
     def check(self) -> None:
+        if self.block_tokens < 1:
+            raise HybridKVError(f"--block-tokens {self.block_tokens} is not a positive token count")
         if self.align_block < 1:
             raise HybridKVError(f"--align-block {self.align_block} is not a positive token count")
         if not 0 <= self.tail < 1:
@@ -93,6 +102,7 @@ class Trace:
     """A trace as a prefix tree: node `i` is one block after the prefix of its parent."""
 
     path: str
+    block: int  # tokens per hash block
     lengths: list[int]  # input tokens per request
     paths: list[list[int]]  # node ids per request, root first
     node_end: list[int]  # token position where node i's block ends
@@ -103,14 +113,15 @@ class Trace:
         return len(self.node_end)
 
 
-def read_trace(path: Path) -> Trace:
-    """Every request of a Mooncake trace; a line that is not a request is refused, naming it."""
+def read_trace(path: Path, block: int = TRACE_BLOCK) -> Trace:
+    """Every request of a Mooncake trace of `block`-token hash blocks; a line that is not a request
+    is refused, naming it."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise HybridKVError(f"{path}: cannot read the trace ({err})") from err
     index: dict[tuple[int, int], int] = {}
-    trace = Trace(str(path), [], [], [], [])
+    trace = Trace(str(path), block, [], [], [], [])
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -120,22 +131,22 @@ def read_trace(path: Path) -> Trace:
             ok = isinstance(n, int) and isinstance(ids, list) and all(isinstance(i, int) for i in ids)
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise HybridKVError(f"{path}:{number}: not a trace request ({type(err).__name__}: {err})") from None
-        if not ok or n < 1 or len(ids) != -(-n // TRACE_BLOCK):
+        if not ok or n < 1 or len(ids) != -(-n // block):
             raise HybridKVError(
-                f"{path}:{number}: not a trace request (input_length {n!r} needs {-(-n // TRACE_BLOCK) if ok else '?'} "
-                f"hash ids of {TRACE_BLOCK} tokens, got {len(ids) if isinstance(ids, list) else ids!r})"
+                f"{path}:{number}: not a trace request (input_length {n!r} needs {-(-n // block) if ok else '?'} "
+                f"hash ids of {block} tokens, got {len(ids) if isinstance(ids, list) else ids!r})"
             )
         parent, nodes = -1, []
-        for i, block in enumerate(ids):
-            node = index.get((parent, block))
-            end = min(n, (i + 1) * TRACE_BLOCK)
+        for i, block_id in enumerate(ids):
+            node = index.get((parent, block_id))
+            end = min(n, (i + 1) * block)
             if node is None:
-                node = index[(parent, block)] = len(trace.node_end)
+                node = index[(parent, block_id)] = len(trace.node_end)
                 trace.node_end.append(end)
                 trace.node_parent.append(parent)
             elif trace.node_end[node] != end:
                 raise HybridKVError(
-                    f"{path}:{number}: block {block} ends at token {end}, elsewhere at {trace.node_end[node]}"
+                    f"{path}:{number}: block {block_id} ends at token {end}, elsewhere at {trace.node_end[node]}"
                 )
             nodes.append(node)
             parent = node
@@ -260,8 +271,9 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
     for path in paths:
         for j, node in enumerate(path):
             depth[node] = j
-    block_bytes = [(end - j * TRACE_BLOCK) * kv for end, j in zip(node_end, depth, strict=True)]
-    block_saved = [F(end) - F(j * TRACE_BLOCK) for end, j in zip(node_end, depth, strict=True)]
+    block_bytes = [(end - j * trace.block) * kv for end, j in zip(node_end, depth, strict=True)]
+    block_saved = [F(end) - F(j * trace.block) for end, j in zip(node_end, depth, strict=True)]
+    inexact: set[int] = set()  # held entries computed approximately (after a zero-state or inexact start)
     for tick, (i, offset) in enumerate(_requests(trace, replicate, progress)):
         store.now = tick
         n, path = lengths[i], paths[i]
@@ -272,18 +284,22 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
         matched, length = 0, len(path)
         while matched < length and path[matched] + offset in entries:
             matched += 1
-        start, exact, used_state = 0, False, None
+        start, seeded, used_state, exact = 0, False, None, True  # exact: this prompt's result equals full prefill
         if matched:
             hit = min(node_end[path[matched - 1]], n - 1)  # at least one token is computed
             floor = hit - tail_tokens(hit, tail)
             j = matched - 1
             while j >= 0 and node_end[path[j]] >= floor:
                 if node_end[path[j]] <= hit and -(path[j] + offset) - 1 in entries:
-                    used_state, start, exact = -(path[j] + offset) - 1, node_end[path[j]], True
+                    used_state, start, seeded = -(path[j] + offset) - 1, node_end[path[j]], True
                     break
                 j -= 1
-            if not exact:
+            if not seeded:
                 start = floor
+            # exact only from an exact state on exact blocks (what the connector reports as exact_state)
+            exact = seeded and not (
+                inexact and (used_state in inexact or any(path[k] + offset in inexact for k in range(j + 1)))
+            )
             point.hits += 1
             point.hit_tokens += hit
             point.bytes_read += hit * kv
@@ -293,6 +309,7 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
             if exact:
                 point.exact_hits += 1
                 point.exact_hit_tokens += hit
+            if seeded:
                 point.bytes_read += state_bytes
             # deepest first: ancestors end up no lower
             use_all([path[j] + offset for j in range(matched - 1, -1, -1)])
@@ -300,23 +317,33 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
                 use_all((used_state,))
         # write what the prompt computed: its blocks, then a checkpoint at its last full block
         if matched < length:
-            put_chain(
+            admitted = put_chain(
                 [
                     (path[j] + offset, KV_BLOCK, block_bytes[path[j]], block_saved[path[j]], -j)
                     for j in range(matched, length)
                 ],
                 path[matched - 1] + offset if matched else None,
             )
-        last_full = n // TRACE_BLOCK - 1
+            written = [path[j] + offset for j in range(matched, matched + admitted)]
+            if exact:
+                inexact.difference_update(written)
+            else:
+                inexact.update(written)
+        last_full = n // trace.block - 1
         if last_full >= 0 and path[last_full] + offset in entries:
             node = path[last_full]
             key = -(node + offset) - 1
-            if key not in entries:
-                end = node_end[node]
-                if store.put(
-                    key, STATE, state_bytes, F(end) - F(end - tail_tokens(end, tail)), node + offset, -last_full - 0.5
-                ):
-                    point.state_bytes_written += state_bytes
+            end = node_end[node]
+            if key in entries:  # written again, as the connector does: an exact one replaces it (a
+                if exact:  # use), an approximate one never does
+                    use_all((key,))
+                    inexact.discard(key)
+            elif store.put(
+                key, STATE, state_bytes, F(end) - F(end - tail_tokens(end, tail)), node + offset, -last_full - 0.5
+            ):
+                point.state_bytes_written += state_bytes
+                if not exact:
+                    inexact.add(key)
 
 
 def _align(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
@@ -328,7 +355,7 @@ def _align(trace, sizes, policy, store, point, align_block, tail, replicate, pro
     # grid nodes per request: the trace block holding each full align block's end (a KV entry, maybe a
     # state); an align block that ends inside a trace block needs that whole trace block matched
     grids = [
-        [path[-(-k * align_block // TRACE_BLOCK) - 1] for k in range(1, n // align_block + 1)]
+        [path[-(-k * align_block // trace.block) - 1] for k in range(1, n // align_block + 1)]
         for n, path in zip(lengths, paths, strict=True)
     ]
     for tick, (i, offset) in enumerate(_requests(trace, replicate, progress)):
@@ -415,7 +442,7 @@ def run_sweep(config: TraceSimConfig, model: str = GLM_5_3_FLASH, show_progress:
 
     config.check()
     started = time.perf_counter()
-    trace = read_trace(config.trace)
+    trace = read_trace(config.trace, config.block_tokens)
     sizes = model_sizes(model, trace, config.tail, config.align_block)
     read_seconds = time.perf_counter() - started
     points = [(p, c, config) for p in config.policies for c in config.capacities]

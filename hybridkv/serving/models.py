@@ -57,6 +57,12 @@ BENCH_MODELS = {
             dict(num_key_value_heads=1, head_dim=32),
         ),
         BenchModel(
+            "grid-128",
+            "vLLM CPU's finest grid: two 128-wide KV heads (1,024 B per token and layer) against one Gated "
+            "DeltaNet value head (66 KiB per layer), a 128-token block: trace-replay's scaled trace blocks",
+            dict(num_key_value_heads=2, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1),
+        ),
+        BenchModel(
             "grid-640",
             "fine grid: two 64-wide KV heads (512 B per token and layer) against the same states, a "
             "640-token block; the grid costs vLLM's own cache little here",

@@ -33,6 +33,9 @@ class Store(Protocol):
         rule refuses it (it would evict entries worth more, or its `worth.parent` is not held).
         Raises StoreError when it cannot."""
 
+    def contains(self, key: str) -> bool:
+        """Whether an entry is under `key`, without reading it (nor counting it used)."""
+
     def delete(self, key: str) -> None: ...
 
     def stats(self) -> dict:

@@ -145,6 +145,9 @@ class FileStore:
         spare.write_text(str(held))
         spare.replace(self.root / USAGE)
 
+    def contains(self, key: str) -> bool:
+        return self._path(key).is_file()
+
     def held_bytes(self) -> int | None:
         """The bytes the capacity counts as held (an estimate from above; None: no capacity)."""
         if self.capacity_bytes is None:

@@ -83,6 +83,16 @@ class GuardedStore:
         self.counts[f"admitted:{worth.kind}"] += 1
         return True
 
+    def contains(self, key: str) -> bool:
+        """Whether the store holds `key` (False when it cannot say: down or failing)."""
+        if not self._available("get"):
+            return False
+        try:
+            return self.inner.contains(key)
+        except (StoreError, OSError) as err:
+            self._failed("get_errors", err, "get")
+            return False
+
     def delete(self, key: str) -> None:
         try:
             self.inner.delete(key)

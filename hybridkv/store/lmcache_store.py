@@ -183,6 +183,19 @@ class LMCacheStore:
 
         return self._call(get)
 
+    def contains(self, key: str) -> bool:
+        if self.scheme == "lm":  # its protocol has no lookup of its own that we trust: read it
+            return self.get(key) is not None
+
+        def contains() -> bool:
+            lmkey = _key(key)
+            if self._valkey is not None:
+                length = bytearray(8)
+                return self._valkey.submit_get_into(lmkey.to_string() + "#len", length).result(self.timeout_s) >= 0
+            return bool(self._backend.contains(lmkey))
+
+        return self._call(contains)
+
     def delete(self, key: str) -> None:
         def delete() -> None:
             lmkey = _key(key)

@@ -68,6 +68,9 @@ class MemoryStore:
         self._entries[key] = bytes(data)
         return True
 
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
     def delete(self, key: str) -> None:
         self._policy.discard(key)
         self._entries.pop(key, None)

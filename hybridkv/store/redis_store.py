@@ -245,6 +245,9 @@ class RedisStore:
         self.evicted.update(kind.decode() for kind in evicted)
         return bool(admitted)
 
+    def contains(self, key: str) -> bool:
+        return bool(self._call(self._client.exists, NAMESPACE + key))
+
     def delete(self, key: str) -> None:
         # Under a capacity the ledger keeps counting it until the rule reaches it: the count errs
         # high (an early eviction), never low.

@@ -144,7 +144,8 @@ class BlockStore:
     ) -> int:  # fmt: skip
         """Store blocks first, first+1, ... of the prompt `tokens`; `state_at` marks a checkpoint
         stored at that position (inside the last block); `exact`: whether the prompt was computed
-        exactly. Each block depends on the one before it. Returns how many writes succeeded."""
+        exactly (block `first`, where its match ended, is then not written over when stored). Each
+        block depends on the one before it. Returns how many writes succeeded."""
         keys = self.keys(salt)
         chain = keys.chain(tokens)
         written = 0
@@ -155,18 +156,24 @@ class BlockStore:
             meta: dict = {"exact": exact}
             if state_at is not None and start < state_at <= end:
                 meta["checkpoint"] = state_at
-            worth = self.worths.block(start, end, parent)
-            if not self._codec.put_block(keys, chain, tokens, index, block, meta, worth):
+            key = self._codec.block_key(keys, tokens, index, chain)
+            if not exact and index == first and self.store.contains(key):
+                pass  # the block the match ended in, stored already: an approximation never replaces it
+            elif self._codec.put_block(keys, chain, tokens, index, block, meta, self.worths.block(start, end, parent)):
+                written += 1
+            else:
                 break  # a later block would depend on one not stored: no lookup reaches it
-            written += 1
-            parent = self._codec.block_key(keys, tokens, index, chain)
+            parent = key
         return written
 
     def save_state(
         self, tokens: list[int], position: int, pages: Pages, salt: str | None = None, exact: bool = True
     ) -> bool:
-        """Store the state checkpoint at `position`; it depends on the block holding that position."""
+        """Store the state checkpoint at `position`; it depends on the block holding that position.
+        An approximate one (`exact` false) never replaces one stored there."""
         keys = self.keys(salt)
+        if not exact and self.store.contains(self.state_key(tokens, position, salt)):
+            return False
         parent = self._codec.block_key(keys, tokens[:position], (position - 1) // self.block_size)
         worth = self.worths.state(position, parent)
         return self._codec.put_state(keys, tokens, position, pages, {"exact": exact}, worth=worth)
