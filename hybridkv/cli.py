@@ -37,6 +37,7 @@ from hybridkv.serving.arena import DEFAULT_SERVED_BUDGETS, DEFAULT_SERVED_METHOD
 from hybridkv.serving.bench import BenchPlan
 from hybridkv.serving.models import DEFAULT_BENCH_MODEL
 from hybridkv.serving.server import ADAPTIVE, SERVED_DTYPE
+from hybridkv.serving.trace_replay import TraceReplayConfig
 from hybridkv.serving.traffic import TRAFFIC, Shape
 from hybridkv.train.loop import TrainConfig, parse_schedule
 
@@ -395,6 +396,20 @@ def _trace_sim(args: argparse.Namespace) -> None:
     summary = run_sweep(config, args.model, show_progress=not args.no_progress)
     print("\n".join(sweep_tables(summary)))
     for path in write_sweep(summary, args.out):
+        print(f"wrote {path}")
+
+
+def _trace_replay(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise HybridKVError("trace-replay needs vLLM: pip install 'hybridkv[vllm]'")
+    from hybridkv.report.trace_replay_report import replay_tables, write_replay
+    from hybridkv.serving.models import bench_checkpoint
+    from hybridkv.serving.trace_replay import run_trace_replay
+
+    model = str(bench_checkpoint(args.model, args.out))
+    summary = run_trace_replay(_config(TraceReplayConfig, args), model, args.out, show_progress=not args.no_progress)
+    print("\n".join(replay_tables(summary)))
+    for path in write_replay(summary, args.out):
         print(f"wrote {path}")
 
 
@@ -838,6 +853,22 @@ COMMANDS = (
         "admission and eviction by prefill compute saved per byte). Prints token hit share, exact-hit share, compute "
         "saved, bytes written and read per capacity, and the capacity each policy needs to save half the prefill "
         "compute; writes OUT/summary.json, OUT/report.md and OUT/sweep.png.",
+    ),
+    Command(
+        "trace-replay",
+        "a scaled copy of a request trace through vllm serve on a bounded store, against trace-sim's prediction",
+        _trace_replay,
+        (
+            TraceReplayConfig,
+            (Model, {"model": {"default": "grid-128", "help": _BENCH_MODEL_HELP}}),
+            _output("out/trace-replay"),
+        ),
+        "Scales the trace's first requests down (each 512-token hash block becomes 512/scale tokens of fixed random "
+        "content per hash id; partial last blocks dropped), simulates them with trace-sim at each capacity with the "
+        "served model's sizes, then sends them one at a time, in order, through `vllm serve`: vLLM alone, vLLM's "
+        "own prefix cache, and HybridKVConnector on a redis store bounded at each capacity. Prints measured token "
+        "and exact-hit shares beside the simulated ones, and TTFT per run; writes OUT/summary.json, "
+        "OUT/requests.jsonl, OUT/report.md and OUT/replay.png.",
     ),
     Command(
         "vllm-bench",
