@@ -394,6 +394,18 @@ def test_a_writer_killed_mid_eviction_leaves_misses_never_wrong_bytes_and_the_ne
     assert store.get("ee" * 4) == bytes([238]) * 6000
 
 
+def test_an_eviction_removes_temporary_files_killed_writers_left_and_keeps_fresh_ones(tmp_path):
+    root = tmp_path / "files"
+    store = open_store(f"file://{root}?capacity=5000")
+    store.put("aa" * 4, b"a" * 3000)
+    (root / "aa" / ".tmp-old").write_bytes(b"x" * 100)
+    os.utime(root / "aa" / ".tmp-old", (1, 1))  # left by a writer killed long ago
+    (root / "aa" / ".tmp-new").write_bytes(b"y" * 100)  # a write in progress
+    store.put("bb" * 4, b"b" * 3000)  # does not fit: evicts
+    assert not (root / "aa" / ".tmp-old").exists() and (root / "aa" / ".tmp-new").exists()
+    assert store.get("aa" * 4) is None and store.get("bb" * 4) == b"b" * 3000
+
+
 def test_file_store_refuses_keys_that_are_not_hex_digests(tmp_path):
     store = FileStore(tmp_path / "files")
     for key in ["../escape", "ABCDEF", "", "k/../../x"]:

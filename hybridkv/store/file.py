@@ -30,6 +30,7 @@ from hybridkv.store.base import NO_WORTH, Worth
 
 SUFFIX = ".hkv"
 LOCK, USAGE = ".lock", ".usage"
+STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 
 
 class FileStore:
@@ -124,7 +125,13 @@ class FileStore:
 
     def _evict(self, keep: Path, budget: int) -> int:
         """Remove the least recently used entries (never `keep`) until the others hold at most
-        `budget` bytes; the bytes they hold then."""
+        `budget` bytes; the bytes they hold then. Temporary files a killed writer left behind (older
+        than any write takes) go too: they are never entries, and not counted."""
+        stale = time.time() - STALE_TMP_S
+        for tmp in self.root.glob("??/.tmp-*"):
+            with contextlib.suppress(OSError):  # another writer's, renamed or removed meanwhile
+                if tmp.stat().st_mtime < stale:
+                    tmp.unlink()
         entries = []
         for path in self._files():
             with contextlib.suppress(FileNotFoundError):  # removed by a clear meanwhile
