@@ -296,10 +296,7 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
                 j -= 1
             if not seeded:
                 start = floor
-            # exact only from an exact state on exact blocks (what the connector reports as exact_state)
-            exact = seeded and not (
-                inexact and (used_state in inexact or any(path[k] + offset in inexact for k in range(j + 1)))
-            )
+            exact = seeded and not _any_inexact(inexact, used_state, path[: j + 1], offset)
             point.hits += 1
             point.hit_tokens += hit
             point.bytes_read += hit * kv
@@ -344,6 +341,12 @@ def _hybridkv(trace, sizes, policy, store, point, align_block, tail, replicate, 
                 point.state_bytes_written += state_bytes
                 if not exact:
                     inexact.add(key)
+
+
+def _any_inexact(inexact: set[int], state: int, blocks: list[int], offset: int) -> bool:
+    """Whether a resume from `state` on `blocks` loads anything computed approximately: then it is
+    not exact (what the connector reports as `exact_state`), even from a stored state."""
+    return bool(inexact) and (state in inexact or any(node + offset in inexact for node in blocks))
 
 
 def _align(trace, sizes, policy, store, point, align_block, tail, replicate, progress, hit_log) -> None:
