@@ -81,6 +81,7 @@ def test_round_trip_through_every_lmcache_backend(lmcache_urls, inner):
         for key, data in payloads.items():
             assert store.get(key) == data
         assert store.get(os.urandom(32).hex()) is None
+        assert all(store.contains(key) for key in payloads) and not store.contains(os.urandom(32).hex())
         key = next(iter(payloads))
         store.put(key, b"replaced")
         assert store.get(key) == b"replaced"

@@ -90,6 +90,15 @@ def store(store_url):
 # Byte round trips on every backend.
 
 
+def test_contains_says_whether_a_key_is_held(store):
+    key = hex_key("held")
+    assert not store.contains(key)
+    store.put(key, b"x")
+    assert store.contains(key) and not store.contains(hex_key("other"))
+    store.delete(key)
+    assert not store.contains(key)
+
+
 def test_round_trip_of_byte_payloads(store):
     rng = np.random.default_rng(0)
     payloads = {hex_key("empty"): b"", hex_key("one"): b"\x00", hex_key("mib"): rng.bytes(1 << 20)}
