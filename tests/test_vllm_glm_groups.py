@@ -75,6 +75,7 @@ class ModelStandIn:
     model: str
     dtype: torch.dtype = torch.bfloat16
     revision: str | None = None
+    hf_config: object = None  # no cost model: the connector's entries are worth their token counts
 
 
 def stand_in_checkpoint(directory: Path, model_type: str) -> str:
